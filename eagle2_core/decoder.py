@@ -1,0 +1,91 @@
+"""The EAGLE-2 decoding loop: draft a tree, verify it in one target forward, accept, repeat.
+
+Everything here runs the stock transformers forward of the target: the tree goes in as a 4D
+additive attention mask plus `position_ids` (depth), on a preallocated cache we hand the model
+as its own `Cache`. No modeling file is patched, so any decoder-only architecture works.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from .accept import accept_greedy, accept_sampling
+from .drafter import Drafter, TreeSettings
+from .events import GenerationSettings, StepEvent, Summary, StopChecker
+from .head import DraftHead
+from .kvcache import TreeKVCache, num_cache_layers
+from .sampling import make_warpers, target_probs
+from .target import TargetRunner
+
+
+class Eagle2Decoder:
+    def __init__(self, model, head: DraftHead, tokenizer=None, tree: TreeSettings | None = None):
+        self.runner = TargetRunner(model)
+        self.head = head
+        self.tokenizer = tokenizer
+        self.tree = tree or TreeSettings.for_device(self.runner.device)
+
+    @torch.no_grad()
+    def stream(self, prompt_ids, gen: GenerationSettings | None = None) -> Iterator[StepEvent | Summary]:
+        gen = gen or GenerationSettings()
+        run, dev = self.runner, self.runner.device
+        ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=dev).view(-1)
+        stop = StopChecker(gen, self.tokenizer, run.eos_ids(gen, self.tokenizer), run.max_positions, ids.numel())
+        warpers = make_warpers(gen)
+        rng = torch.Generator().manual_seed(gen.seed) if gen.seed is not None else None
+        cap = min(run.max_positions, ids.numel() + gen.max_new_tokens + self.tree.total_tokens + 8)
+        cache = TreeKVCache(num_cache_layers(run.model.config), cap)
+        drafter = Drafter(self.head, self.tree, cap)
+        summary = Summary(prompt_tokens=ids.numel())
+        t0 = time.perf_counter()
+
+        # Prefill: the target reads the prompt and picks the first token itself (the first root).
+        hidden = run.forward(ids, torch.arange(ids.numel(), device=dev), None, cache)
+        root = self._pick(run.logits(hidden[-1:]), warpers, rng)[0]
+        summary.target_forwards, summary.prefill_s = 1, time.perf_counter() - t0
+        emitted = stop.push([root])
+        yield StepEvent(emitted, accepted=0, tree_size=1, draft_s=0.0, verify_s=summary.prefill_s)
+        new_tokens = torch.cat([ids[1:], torch.tensor([root], device=dev)])  # pairs (f_t, x_{t+1})
+        new_features, start_pos = hidden, 0
+
+        while not stop.done:
+            t1 = time.perf_counter()
+            past = cache.length  # committed tokens; the root sits at position `past`
+            room = run.max_positions - past - 2  # root + accepted + bonus must fit the context
+            tree = drafter.draft(new_tokens, new_features, start_pos, torch.tensor(root, device=dev),
+                                 budget=self.tree.total_tokens, max_depth=min(room, stop.remaining - 1))
+            t2 = time.perf_counter()
+            # Verify (paper section 3): all tree nodes in one forward; node i at position past + depth(i).
+            hidden = run.forward(tree.tokens, past + tree.depth, run.tree_mask(tree, past), cache)
+            logits = run.logits(hidden)
+            if gen.temperature > 0:
+                path, bonus = accept_sampling(tree, target_probs(logits, warpers), rng)
+            else:
+                path, bonus = accept_greedy(tree, logits.argmax(-1))
+            path_t = torch.tensor(path, device=dev)
+            cache.keep(past, path_t)  # accepted nodes' KV move into place; the rest is dropped
+            t3 = time.perf_counter()
+            summary.record_cycle(len(path) - 1, tree, t2 - t1, t3 - t2)
+            emitted = stop.push(tree.tokens[path_t[1:]].tolist() + [bonus])
+            yield StepEvent(emitted, accepted=len(path) - 1, tree_size=tree.size, draft_s=t2 - t1, verify_s=t3 - t2)
+            new_tokens = torch.cat([tree.tokens[path_t[1:]], torch.tensor([bonus], device=dev)])
+            new_features, start_pos, root = hidden[path_t], past, bonus
+
+        summary.finish(stop, time.perf_counter() - t0)
+        yield summary
+
+    def _pick(self, logits, warpers, rng) -> list[int]:
+        if warpers is None:
+            return logits.argmax(-1).tolist()
+        probs = target_probs(logits, warpers)
+        return torch.multinomial(probs.float().cpu(), 1, generator=rng).flatten().tolist()
+
+    def generate(self, prompt_ids, gen: GenerationSettings | None = None) -> tuple[list[int], Summary]:
+        out: list[int] = []
+        for ev in self.stream(prompt_ids, gen):
+            if isinstance(ev, Summary):
+                return out, ev
+            out.extend(ev.token_ids)
+        raise RuntimeError("decoder stream ended without a summary")

@@ -1,0 +1,176 @@
+"""Drafting: run the draft head to grow a tree of candidate tokens (EAGLE-2 section 4).
+
+The head keeps its own KV cache over the committed context. Each cycle it first absorbs the
+newly committed (feature, next token) pairs, then expands the tree depth by depth; the tree
+tokens' KV entries are dropped again at the end, since only verified tokens become context.
+Positions follow the EAGLE convention: the pair (feature_t, token_{t+1}) sits at position t, and
+all nodes at one tree depth share a position.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .head import DraftHead
+from .kvcache import TreeKVCache
+from .tree import DraftTree, causal_attention_bias, choices_to_levels, chain_choices, rerank, select_expansion, static_choices, tree_from_parents
+
+
+@dataclass
+class TreeSettings:
+    """Shape of the draft tree. `depth` is the longest draft path (tokens after the root).
+
+    Defaults are for a CPU; the paper's GPU setting is total_tokens=60, depth=6, top_k=10
+    (`TreeSettings.gpu()`), which matches the reference code's depth=5 expansion steps.
+    """
+    shape: str = "dynamic"          # dynamic | static | chain
+    total_tokens: int = 24          # tree size including the root (the verify batch)
+    depth: int = 5
+    top_k: int = 6
+    expand_by: str = "path"         # path (EAGLE-2) | node (ablation: the node's own confidence)
+    rerank: bool = True             # False: ablation, keep the expanded nodes breadth-first
+
+    @classmethod
+    def gpu(cls) -> "TreeSettings":
+        return cls(total_tokens=60, depth=6, top_k=10)
+
+    @classmethod
+    def for_device(cls, device) -> "TreeSettings":
+        return cls.gpu() if torch.device(device).type == "cuda" else cls()
+
+    def validate(self) -> None:
+        if self.shape not in ("dynamic", "static", "chain"):
+            raise ValueError(f"draft shape must be dynamic, static or chain, not {self.shape!r}")
+        if self.total_tokens < 2 or self.depth < 1 or self.top_k < 1:
+            raise ValueError("total_tokens must be >= 2, depth >= 1 and top_k >= 1")
+        if self.expand_by not in ("path", "node"):
+            raise ValueError(f"expand_by must be path or node, not {self.expand_by!r}")
+
+
+class Drafter:
+    """Owns the draft head's KV cache for one generation and builds one tree per cycle."""
+
+    def __init__(self, head: DraftHead, settings: TreeSettings, capacity: int = 1024):
+        settings.validate()
+        self.head = head
+        self.settings = settings
+        self.cache = TreeKVCache(1, capacity)
+        if settings.shape != "dynamic":
+            choices = chain_choices(settings.depth) if settings.shape == "chain" else static_choices(settings.total_tokens, settings.depth, settings.top_k)
+            self.levels = choices_to_levels(choices)
+
+    def _bias(self, rows_visible_tree: torch.Tensor, ctx_len: int, dtype) -> torch.Tensor:
+        n = rows_visible_tree.shape[0]
+        allowed = torch.cat([torch.ones(n, ctx_len, dtype=torch.bool, device=rows_visible_tree.device), rows_visible_tree], 1)
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        return bias.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+    def _step(self, tokens, hidden, pos: int, visible: torch.Tensor, ctx_len: int):
+        """Feed one depth of tree nodes; returns their draft hidden states and log-probs."""
+        n = tokens.shape[0]
+        h = self.head(tokens[None], hidden[None], torch.full((1, n), pos, device=tokens.device),
+                      attention_mask=self._bias(visible, ctx_len, hidden.dtype), cache=self.cache)[0]
+        return h, torch.log_softmax(self.head.draft_logits(h).float(), dim=-1)
+
+    @torch.no_grad()
+    def draft(self, new_tokens: torch.Tensor, new_features: torch.Tensor, start_pos: int, root: torch.Tensor, budget: int | None = None, max_depth: int | None = None) -> DraftTree:
+        """Absorb the new context pairs, then build a tree below `root`.
+
+        new_tokens[i] is the token following the position whose target feature is new_features[i];
+        the last pair is (feature of the last committed token, root). `budget` and `max_depth`
+        may shrink the tree near the context limit.
+        """
+        s = self.settings
+        budget = min(s.total_tokens if budget is None else budget, s.total_tokens) - 1
+        depth = min(s.depth if max_depth is None else max_depth, s.depth)
+        dev = new_tokens.device
+        n = new_tokens.shape[0]
+        ctx = self.cache.length
+        h = self.head(new_tokens[None], new_features[None], torch.arange(start_pos, start_pos + n, device=dev)[None],
+                      attention_mask=causal_attention_bias(n, ctx, new_features.dtype, dev), cache=self.cache)[0, -1:]
+        ctx = self.cache.length
+        logp = torch.log_softmax(self.head.draft_logits(h).float(), dim=-1)
+        if budget <= 0 or depth <= 0:
+            return tree_from_parents(root.view(1), torch.tensor([-1], device=dev))
+        pos = start_pos + n  # position of depth-1 nodes when fed as inputs
+        if s.shape == "dynamic":
+            tree = self._dynamic(h, logp, pos, ctx, root, budget, depth)
+        else:
+            tree = self._static(h, logp, pos, ctx, root, budget, depth)
+        self.cache.truncate(ctx)  # tree tokens are not context
+        return tree
+
+    def _dynamic(self, h, logp, pos, ctx, root, budget, depth) -> DraftTree:
+        k = self.settings.top_k
+        scores, ids = torch.topk(logp[0], k)
+        tokens = self.head.to_target_ids(ids)
+        pool_tokens, pool_parents, pool_scores, pool_expanded = [tokens], [torch.full((k,), -1, device=ids.device)], [scores], [torch.ones(k, dtype=torch.bool, device=ids.device)]
+        front_idx = torch.arange(k, device=ids.device)          # pool index of the nodes to feed
+        front_scores, front_hidden = scores, h.expand(k, -1)
+        visible = torch.eye(k, dtype=torch.bool, device=ids.device)  # fed-node ancestry, grows each depth
+        pool_size = k
+        for d in range(1, depth):
+            out_h, out_logp = self._step(tokens, front_hidden, pos + d - 1, visible, ctx)
+            child_logp, child_ids = torch.topk(out_logp, k, dim=-1)                 # [k, k]
+            path = front_scores[:, None] + child_logp                              # path score = product of confidences
+            key = path if self.settings.expand_by == "path" else child_logp
+            sel = select_expansion(key.flatten(), k)
+            slot = sel // k
+            pool_tokens.append(self.head.to_target_ids(child_ids.flatten()))
+            pool_parents.append(front_idx.repeat_interleave(k))
+            pool_scores.append(path.flatten())
+            expanded = torch.zeros(k * k, dtype=torch.bool, device=ids.device)
+            expanded[sel] = True
+            pool_expanded.append(expanded)
+            tokens = pool_tokens[-1][sel]
+            front_idx = pool_size + sel
+            front_scores, front_hidden = path.flatten()[sel], out_h[slot]
+            visible = torch.cat([visible[slot], torch.eye(k, dtype=torch.bool, device=ids.device)], dim=1)
+            pool_size += k * k
+        pool_tokens, pool_parents, pool_scores = torch.cat(pool_tokens), torch.cat(pool_parents), torch.cat(pool_scores)
+        if not self.settings.rerank:
+            # Ablation: the tree is just the nodes chosen during expansion, shallowest first.
+            pool_scores = torch.where(torch.cat(pool_expanded), -torch.arange(pool_size, device=ids.device, dtype=torch.float), float("-inf"))
+            budget = min(budget, int(torch.cat(pool_expanded).sum()))
+        return rerank(pool_tokens, pool_parents, pool_scores, root, budget)
+
+    def _static(self, h, logp, pos, ctx, root, budget, depth) -> DraftTree:
+        """EAGLE-1 static tree or a chain: the same sibling ranks every cycle."""
+        dev = root.device
+        all_tokens, all_parents = [root.view(1)], [torch.tensor([-1], device=dev)]
+        n_nodes = 1
+        prev_first = 0        # tree index of the first node of the previous level
+        prev_paths: list[int] = []  # path index of each fed node of the previous level
+        path_to_tree: dict[int, int] = {}
+        hidden, lp = h, logp  # hidden states / log-probs of the previous level's nodes (root level: 1 row)
+        visible = None
+        path_counter = 0
+        for d, level in enumerate(self.levels[:depth]):
+            level = level[: max(0, budget - (n_nodes - 1))]
+            if not level:
+                break
+            if d == 0:
+                parent_rows = torch.zeros(len(level), dtype=torch.long, device=dev)
+            else:
+                slot_of = {p: i for i, p in enumerate(prev_paths)}
+                parent_rows = torch.tensor([slot_of[p] for p, _ in level], device=dev)
+            ranks = torch.tensor([r for _, r in level], device=dev)
+            max_rank = int(ranks.max()) + 1
+            top_ids = torch.topk(lp, max_rank, dim=-1).indices
+            tokens = self.head.to_target_ids(top_ids[parent_rows, ranks])
+            parents_tree = torch.zeros_like(parent_rows) if d == 0 else torch.tensor([path_to_tree[p] for p, _ in level], device=dev)
+            all_tokens.append(tokens)
+            all_parents.append(parents_tree)
+            paths = list(range(path_counter, path_counter + len(level)))
+            for j, p in enumerate(paths):
+                path_to_tree[p] = n_nodes + j
+            path_counter += len(self.levels[d])
+            n_nodes += len(level)
+            if d + 1 >= min(depth, len(self.levels)):
+                break
+            eye = torch.eye(len(level), dtype=torch.bool, device=dev)
+            visible = eye if visible is None else torch.cat([visible[parent_rows], eye], dim=1)
+            hidden, lp = self._step(tokens, hidden[parent_rows] if d == 0 else hidden[parent_rows], pos + d, visible, ctx)
+            prev_paths = paths
+        return tree_from_parents(torch.cat(all_tokens), torch.cat(all_parents))

@@ -1,0 +1,149 @@
+"""What a generation reports: settings in, per-cycle events and a final summary out.
+
+The CLI's live panel, `generate` output lines and the benchmarks read only these objects.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationSettings:
+    max_new_tokens: int = 256
+    temperature: float = 0.0        # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                  # 0 = off
+    seed: int | None = None
+    stop_strings: tuple[str, ...] = ()
+    eos_token_ids: tuple[int, ...] | None = None  # None: the model's EOS plus chat end-of-turn tokens
+
+
+@dataclass
+class StepEvent:
+    token_ids: list[int]            # tokens emitted this cycle (after stop handling)
+    accepted: int                   # draft tokens accepted (the bonus token not counted)
+    tree_size: int                  # nodes verified, root included
+    draft_s: float
+    verify_s: float
+
+
+@dataclass
+class Summary:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0        # prefill included
+    cycles: int = 0
+    accepted_hist: list[int] = field(default_factory=list)   # cycles by number of draft tokens accepted
+    tree_tokens: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    prefill_s: float = 0.0
+    wall_s: float = 0.0
+    finish_reason: str = ""
+
+    def record_cycle(self, accepted: int, tree, draft_s: float, verify_s: float) -> None:
+        self.cycles += 1
+        self.target_forwards += 1
+        while len(self.accepted_hist) <= accepted:
+            self.accepted_hist.append(0)
+        self.accepted_hist[accepted] += 1
+        self.tree_tokens += tree.size
+        self.draft_s += draft_s
+        self.verify_s += verify_s
+
+    def finish(self, stop, wall_s: float) -> None:
+        self.new_tokens = stop.count
+        self.finish_reason = stop.reason
+        self.wall_s = wall_s
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target forward pass, bonus token included (prefill counted as a forward)."""
+        return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        """P(draft token at depth d accepted | depth d-1 accepted), over all cycles."""
+        reach = [sum(self.accepted_hist[d:]) for d in range(len(self.accepted_hist))]
+        return [reach[d] / reach[d - 1] if reach[d - 1] else 0.0 for d in range(1, len(reach))]
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens per cycle, divided by the mean tree depth reachable (a coarse rate)."""
+        acc = sum(i * n for i, n in enumerate(self.accepted_hist))
+        return acc / self.cycles if self.cycles else 0.0
+
+    def merge(self, other: "Summary") -> None:
+        for name in ("prompt_tokens", "new_tokens", "target_forwards", "cycles", "tree_tokens", "draft_s", "verify_s", "prefill_s", "wall_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for i, n in enumerate(other.accepted_hist):
+            while len(self.accepted_hist) <= i:
+                self.accepted_hist.append(0)
+            self.accepted_hist[i] += n
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
+            "verify_steps": self.cycles, "tau": round(self.tau, 4), "acceptance_by_depth": [round(a, 4) for a in self.acceptance_by_depth],
+            "accepted_per_cycle": round(self.acceptance_rate, 4), "accepted_hist": self.accepted_hist,
+            "mean_tree_size": round(self.tree_tokens / self.cycles, 2) if self.cycles else 0,
+            "draft_s": round(self.draft_s, 4), "verify_s": round(self.verify_s, 4), "prefill_s": round(self.prefill_s, 4),
+            "wall_time": round(self.wall_s, 4), "tokens_per_s": round(self.tokens_per_s, 3), "finish_reason": self.finish_reason,
+        }
+
+
+class StopChecker:
+    """Applies EOS ids, stop strings, max_new_tokens and the context limit to emitted tokens."""
+
+    def __init__(self, gen: GenerationSettings, tokenizer, eos_ids: set[int], max_positions: int, prompt_len: int):
+        self.max_new = gen.max_new_tokens
+        self.stop_strings = tuple(s for s in gen.stop_strings if s)
+        self.tokenizer = tokenizer
+        self.eos = eos_ids
+        self.limit = max_positions - prompt_len  # never emit past the model's context
+        self.tokens: list[int] = []
+        self.reason = ""
+        if self.limit <= 0:
+            self.reason = "length"
+        elif self.max_new <= 0:
+            self.reason = "length"
+
+    @property
+    def count(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def done(self) -> bool:
+        return bool(self.reason)
+
+    @property
+    def remaining(self) -> int:
+        return min(self.max_new, self.limit) - len(self.tokens)
+
+    def push(self, new: list[int]) -> list[int]:
+        """Append what may be emitted of `new`; returns it (possibly cut)."""
+        out: list[int] = []
+        for t in new:
+            if self.done:
+                break
+            out.append(t)
+            self.tokens.append(t)
+            if t in self.eos:
+                self.reason = "stop"
+            elif self._hit_stop_string():
+                self.reason = "stop"
+            elif len(self.tokens) >= min(self.max_new, self.limit):
+                self.reason = "length"
+        return out
+
+    def _hit_stop_string(self) -> bool:
+        # Checked token by token: a cycle may emit several, and we cut right after the one
+        # that completes a stop string, as `generate(stop_strings=...)` does.
+        if not self.stop_strings or self.tokenizer is None:
+            return False
+        tail = self.tokenizer.decode(self.tokens[-32:], skip_special_tokens=False)
+        return any(tail.endswith(s) or s in tail[-(len(s) + 16):] for s in self.stop_strings)

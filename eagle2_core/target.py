@@ -1,0 +1,80 @@
+"""The target model, driven through its stock transformers forward.
+
+`TargetRunner` is a thin view over a loaded `*ForCausalLM`: it runs the decoder body on our
+cache with our mask and positions, and applies lm_head only to the rows we need (the prompt's
+last row, the tree's rows), which on a small model saves a large share of the work.
+"""
+from __future__ import annotations
+
+import torch
+
+from .tree import DraftTree, causal_attention_bias, tree_attention_bias
+
+# End-of-turn markers of common chat templates; generation stops at these as at EOS.
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>", "<|end_of_text|>")
+
+
+class TargetRunner:
+    def __init__(self, model):
+        self.model = model
+        self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.lm_head = model.get_output_embeddings()
+        self.device = self.lm_head.weight.device
+        self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        self.max_positions = getattr(self.config, "max_position_embeddings", None) or 1 << 30
+        self.softcap = getattr(self.config, "final_logit_softcapping", None)
+        layer_types = getattr(self.config, "layer_types", None) or []
+        window = getattr(self.config, "sliding_window", None)
+        # Which mask each layer needs: a dict {layer type: mask} for hybrid models (Gemma 3),
+        # a single mask (windowed or not) otherwise (Llama, Qwen2, Mistral with sliding_window).
+        self.hybrid = "sliding_attention" in layer_types and "full_attention" in layer_types
+        if self.hybrid or (layer_types and all(t == "sliding_attention" for t in layer_types)):
+            self.window = window
+        elif layer_types:
+            self.window = None
+        else:
+            self.window = window if getattr(self.config, "use_sliding_window", True) else None
+
+    def _masks(self, full_fn):
+        if self.hybrid:
+            return {"full_attention": full_fn(None), "sliding_attention": full_fn(self.window)}
+        return full_fn(self.window)
+
+    def tree_mask(self, tree: DraftTree, past: int):
+        return self._masks(lambda w: tree_attention_bias(tree, past, self.dtype, w))
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask, cache) -> torch.Tensor:
+        """Run tokens [N] at absolute positions [N]; returns final-norm hidden states [N, H]."""
+        if mask is None:  # plain causal append (prefill)
+            past = cache.length
+            mask = self._masks(lambda w: causal_attention_bias(tokens.numel(), past, self.dtype, tokens.device, w))
+        out = self.body(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask, cache=cache, use_cache=True)
+        return out.last_hidden_state[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def eos_ids(self, gen, tokenizer=None) -> set[int]:
+        if gen.eos_token_ids is not None:
+            return set(gen.eos_token_ids)
+        return model_eos_ids(self.model, tokenizer)
+
+
+def model_eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for cfg in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(int(e) for e in eos)
+    if tokenizer is not None:
+        if tokenizer.eos_token_id is not None:
+            ids.add(tokenizer.eos_token_id)
+        vocab = tokenizer.get_vocab()
+        ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+    return ids

@@ -1,0 +1,173 @@
+"""Draft trees as plain tensors, and the pure functions that build them.
+
+A tree has N nodes. Node 0 is the *root*: the token the target itself chose at the end of the
+previous cycle, which is not yet in the target's KV cache. Every other node is a drafted token.
+Parents always come before children (index order is a topological order), which is what lets
+acceptance and mask construction run without recursion.
+
+EAGLE-2 (Li et al., 2024, section 4) builds the tree in two phases:
+  * expansion: at each depth, the top-k nodes by *path score* (product of draft confidences along
+    the path, a sum of log-probs here) are fed to the draft head again, so the tree grows where the
+    draft is confident;
+  * rerank: among every node drafted in the expansion phase, keep the `budget` with the highest
+    path score. A child's path score never exceeds its parent's, so the kept set is a tree.
+The functions below are those two steps plus the mask/position bookkeeping; the loop that calls
+the draft head lives in `drafter.py`.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor      # [N] long, node 0 is the root
+    parents: torch.Tensor     # [N] long, parents[0] == -1
+    depth: torch.Tensor       # [N] long, root at depth 0
+    ancestors: torch.Tensor   # [N, N] bool, [i, j] is True when j is i or an ancestor of i
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def to(self, device) -> "DraftTree":
+        return DraftTree(*(t.to(device) for t in (self.tokens, self.parents, self.depth, self.ancestors)))
+
+
+def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor) -> DraftTree:
+    """Depths and the ancestor mask from a parent vector (parents before children)."""
+    n = tokens.shape[0]
+    device = tokens.device
+    ancestors = torch.eye(n, dtype=torch.bool, device=device)
+    depth = torch.zeros(n, dtype=torch.long, device=device)
+    if n > 1:
+        p = parents[1:]
+        # Each pass pushes ancestry down by one level; a tree of depth D needs D passes.
+        # The loop is over depth levels, never over nodes.
+        for _ in range(n - 1):
+            new_anc = ancestors.clone()
+            new_anc[1:] |= ancestors[p]
+            new_depth = depth.clone()
+            new_depth[1:] = depth[p] + 1
+            if torch.equal(new_anc, ancestors) and torch.equal(new_depth, depth):
+                break
+            ancestors, depth = new_anc, new_depth
+    return DraftTree(tokens=tokens, parents=parents, depth=depth, ancestors=ancestors)
+
+
+def select_expansion(path_scores: torch.Tensor, k: int) -> torch.Tensor:
+    """EAGLE-2 expansion (section 4.1): indices of the k candidates with the highest path score.
+
+    `path_scores` is flat over all candidates of this depth (k parents x k children). Passing the
+    node's own log-prob instead of the path score gives the paper's "expand by confidence" ablation.
+    """
+    k = min(k, path_scores.numel())
+    return torch.topk(path_scores, k, sorted=True).indices
+
+
+def rerank(
+    pool_tokens: torch.Tensor,
+    pool_parents: torch.Tensor,
+    pool_scores: torch.Tensor,
+    root_token: torch.Tensor,
+    budget: int,
+) -> DraftTree:
+    """EAGLE-2 rerank (section 4.2): keep the `budget` drafted nodes with the highest path scores.
+
+    Pool entries are drafted nodes in the order they were drafted (depth by depth), so every
+    parent precedes its children; `pool_parents` indexes the pool, -1 meaning the root.
+    Ties are broken towards the earlier (shallower) node, so a parent always wins over a child
+    with the same score and the kept set stays closed under ancestry.
+    """
+    budget = max(0, min(budget, pool_tokens.shape[0]))
+    order = torch.sort(pool_scores, descending=True, stable=True).indices[:budget]
+    keep = torch.sort(order).values  # pool order = parents before children
+    # Map pool index -> tree index (root is tree index 0, kept nodes 1..budget).
+    remap = torch.full((pool_tokens.shape[0] + 1,), -1, dtype=torch.long, device=pool_tokens.device)
+    remap[keep + 1] = torch.arange(1, budget + 1, device=pool_tokens.device)
+    remap[0] = 0  # pool parent -1 (+1 -> 0) is the root
+    parents = remap[pool_parents[keep] + 1]
+    tokens = torch.cat([root_token.view(1), pool_tokens[keep]])
+    parents = torch.cat([torch.tensor([-1], device=parents.device), parents])
+    return tree_from_parents(tokens, parents)
+
+
+def static_choices(total_tokens: int, depth: int, top_k: int, decay: float = 0.45) -> list[tuple[int, ...]]:
+    """An EAGLE-1 style static tree: the same shape every cycle, whatever the context.
+
+    Each path is a tuple of sibling ranks, e.g. (0, 1) = second-ranked child of the top-ranked
+    first token. The shape is the `total_tokens - 1` paths with the highest prior score, where the
+    prior acceptance of rank r at any depth is decay**r times a per-depth discount: a fixed stand-in
+    for the offline acceptance statistics EAGLE-1 used to hand-pick its tree.
+    """
+    budget = total_tokens - 1
+    rank_logp = [math.log(1 - decay) + r * math.log(decay) for r in range(top_k)]
+    depth_logp = math.log(0.7)  # deeper tokens are accepted less often, whatever their rank
+    heap = [(-rank_logp[r], (r,)) for r in range(top_k)]
+    heapq.heapify(heap)
+    chosen: list[tuple[float, tuple[int, ...]]] = []
+    while heap and len(chosen) < budget:
+        neg, path = heapq.heappop(heap)
+        chosen.append((neg, path))
+        if len(path) < depth:
+            for r in range(top_k):
+                heapq.heappush(heap, (neg - depth_logp - rank_logp[r], path + (r,)))
+    return sorted((p for _, p in chosen), key=lambda p: (len(p), p))
+
+
+def chain_choices(depth: int) -> list[tuple[int, ...]]:
+    """A plain chain: the draft's top-1 token at each depth."""
+    return [(0,) * d for d in range(1, depth + 1)]
+
+
+def choices_to_levels(choices: list[tuple[int, ...]]) -> list[list[tuple[int, int]]]:
+    """Group static-tree paths by depth as (parent path index or -1, rank) pairs.
+
+    Path indices refer to positions in `choices` (sorted by length then rank), so the drafter
+    can expand a static tree depth by depth with tensor gathers instead of walking nodes.
+    """
+    index = {p: i for i, p in enumerate(choices)}
+    levels: list[list[tuple[int, int]]] = []
+    for p in choices:
+        while len(levels) < len(p):
+            levels.append([])
+        parent = index[p[:-1]] if len(p) > 1 else -1
+        if len(p) > 1 and p[:-1] not in index:
+            raise ValueError(f"static tree path {p} has no parent path {p[:-1]}")
+        levels[len(p) - 1].append((parent, p[-1]))
+    return levels
+
+
+def tree_attention_bias(tree: DraftTree, past_len: int, dtype: torch.dtype, sliding_window: int | None = None) -> torch.Tensor:
+    """Additive 4D mask [1, 1, N, past_len + N] for verifying the tree on top of a cache.
+
+    Every node sees the whole committed context plus its own ancestors (paper section 3: tree
+    attention). With a sliding window, a node at absolute position q sees keys at positions > q - w.
+    An additive float mask works with every attention backend (eager, sdpa, flex via conversion).
+    """
+    n = tree.size
+    device = tree.tokens.device
+    allowed = torch.cat([torch.ones(n, past_len, dtype=torch.bool, device=device), tree.ancestors], dim=1)
+    if sliding_window is not None:
+        q_pos = past_len + tree.depth  # absolute position of each node
+        k_pos = torch.cat([torch.arange(past_len, device=device), past_len + tree.depth])
+        allowed &= k_pos[None, :] > (q_pos[:, None] - sliding_window)
+    bias = torch.zeros(n, past_len + n, dtype=dtype, device=device)
+    bias.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return bias[None, None]
+
+
+def causal_attention_bias(q_len: int, past_len: int, dtype: torch.dtype, device, sliding_window: int | None = None) -> torch.Tensor:
+    """Ordinary causal additive mask [1, 1, q_len, past_len + q_len] (prefill and plain appends)."""
+    q_pos = past_len + torch.arange(q_len, device=device)
+    k_pos = torch.arange(past_len + q_len, device=device)
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        allowed &= k_pos[None, :] > (q_pos[:, None] - sliding_window)
+    bias = torch.zeros(q_len, past_len + q_len, dtype=dtype, device=device)
+    bias.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return bias[None, None]
