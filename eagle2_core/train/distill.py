@@ -1,0 +1,132 @@
+"""Self-distillation: the target answers the training prompts itself, in batches.
+
+A head learns to predict the *target's* continuations; training on the target's own answers
+puts the head on the contexts it meets at inference (EAGLE-3 trains on regenerated data for the
+same reason). Greedy answers also match the temperature-0 use that benchmarks measure.
+The loop is a plain batched KV-cache loop with left padding: roughly twice as fast on a CPU as
+`generate` with the same batch, and the output need not be bit-exact (it is training data).
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+import torch
+
+from ..target import model_eos_ids
+from .data import _ids
+
+
+@torch.no_grad()
+def generate_batch(model, prompts: list[list[int]], eos: set[int], max_new_tokens: int, pad_id: int, topk: int = 32):
+    """Greedy answers for a batch of prompts, plus the features training needs, captured on the way.
+
+    The target computes its final hidden state and next-token distribution at every position
+    while generating anyway; keeping them (bf16 features, top-k probabilities) makes a separate
+    feature-extraction pass over self-distilled data unnecessary, halving its cost.
+    Returns, per prompt: answer ids, and a feature record for prompt + answer (the final token,
+    whose feature was never computed, is left out of the record).
+    """
+    from transformers import DynamicCache
+
+    body, lm_head = model.get_decoder(), model.get_output_embeddings()
+    dev = lm_head.weight.device
+    width = max(len(p) for p in prompts)
+    B = len(prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=dev)
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
+    cache = DynamicCache(config=model.config)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    h = body(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True).last_hidden_state
+    probs = torch.softmax(lm_head(h).float(), dim=-1)
+    pv, pi = torch.topk(probs, topk, dim=-1)
+    feats = [[h[b, width - len(p):]] for b, p in enumerate(prompts)]
+    tops = [[(pv[b, width - len(p):], pi[b, width - len(p):])] for b, p in enumerate(prompts)]
+    next_tok = pi[:, -1, 0]
+    answers = [[] for _ in prompts]
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    eos_t = torch.tensor(sorted(eos), device=dev)
+    last_pos = pos[:, -1]
+    for _ in range(max_new_tokens):
+        was_done = done.clone()
+        for b, t in enumerate(next_tok.tolist()):
+            if not was_done[b]:
+                answers[b].append(t)
+        done |= torch.isin(next_tok, eos_t)
+        if bool(done.all()) or len(answers[0]) >= max_new_tokens:
+            break
+        attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype, device=dev)], dim=1)
+        last_pos = last_pos + 1
+        h = body(input_ids=next_tok[:, None], attention_mask=attn, position_ids=last_pos[:, None], cache=cache, use_cache=True).last_hidden_state
+        probs = torch.softmax(lm_head(h[:, -1]).float(), dim=-1)
+        pv, pi = torch.topk(probs, topk, dim=-1)
+        for b in range(B):
+            if not was_done[b]:  # the token fed this step belongs to sequence b's answer
+                feats[b].append(h[b, -1:])
+                tops[b].append((pv[b : b + 1], pi[b : b + 1]))
+        next_tok = pi[:, 0]
+    records = []
+    for b, p in enumerate(prompts):
+        hid = torch.cat(feats[b])
+        n = hid.shape[0]
+        seq = (p + answers[b])[:n]
+        records.append({
+            "hidden": hid.to(torch.bfloat16).cpu(), "input_ids": torch.tensor(seq),
+            "loss_mask": torch.tensor([0] * len(p) + [1] * (n - len(p)), dtype=torch.bool),
+            "top_probs": torch.cat([v for v, _ in tops[b]]).half().cpu(), "top_ids": torch.cat([i for _, i in tops[b]]).int().cpu(),
+        })
+    return answers, records
+
+
+def self_distill(model, tokenizer, prompts: list[list[dict]], out_path: str, batch_size: int = 32, max_new_tokens: int = 256,
+                 max_prompt_tokens: int = 384, chat_template=None, progress: Callable[[int, int], None] | None = None,
+                 feature_dir: str | None = None) -> int:
+    """Append {"idx", "messages"} lines to out_path for every prompt not already there; resumable.
+
+    With `feature_dir`, each batch's features are written there as one safetensors shard too.
+    """
+    done: set[int] = set()
+    if os.path.exists(out_path):
+        with open(out_path) as f:
+            for line in f:
+                try:
+                    done.add(json.loads(line)["idx"])
+                except (json.JSONDecodeError, KeyError):
+                    pass  # a line cut by a kill; its prompt is redone
+    eos = model_eos_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos))
+    todo = []
+    for k, msgs in enumerate(prompts):
+        if k in done:
+            continue
+        ids = _ids(tokenizer, msgs, True, chat_template)
+        if len(ids) <= max_prompt_tokens:
+            todo.append((k, ids))
+    todo.sort(key=lambda x: len(x[1]))  # similar lengths per batch waste less padding
+    written = 0
+    with open(out_path, "a") as f:
+        for b in range(0, len(todo), batch_size):
+            batch = todo[b : b + batch_size]
+            answers, records = generate_batch(model, [ids for _, ids in batch], eos, max_new_tokens, pad)
+            if feature_dir:
+                write_shard(records, os.path.join(feature_dir, f"distill-{batch[0][0]:06d}.safetensors"))
+            for (k, _), ans in zip(batch, answers):
+                text = tokenizer.decode([t for t in ans if t not in eos], skip_special_tokens=True)
+                f.write(json.dumps({"idx": k, "messages": prompts[k] + [{"role": "assistant", "content": text}]}) + "\n")
+                written += 1
+            f.flush()
+            if progress:
+                progress(len(done) + written, len(done) + len(todo))
+    return written
+
+
+def write_shard(records: list[dict], path: str) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    keys = ("hidden", "input_ids", "loss_mask", "top_probs", "top_ids")
+    data = {k: torch.cat([r[k] for r in records]) for k in keys}
+    data["lengths"] = torch.tensor([len(r["input_ids"]) for r in records])
+    save_file(data, path + ".tmp")
+    os.replace(path + ".tmp", path)

@@ -1,0 +1,77 @@
+"""Feature extraction: run the frozen target once over the training data and cache what the head needs.
+
+Per token we keep the target's last hidden state after its final norm (the EAGLE-1/2 feature,
+bf16) and its top-k next-token probabilities (fp16 values, int32 ids). The top-32 hold over 90%
+of the probability mass on SmolLM2, so the distillation loss never touches the full lm_head
+during training, which was the dominant cost on a CPU. Shards are safetensors, written one at a
+time, so an interrupted extraction resumes at the next shard.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..target import TargetRunner
+
+
+@torch.no_grad()
+def extract_features(model, samples: list[tuple[list[int], list[int]]], out_dir: str, shard_tokens: int = 65536, topk: int = 32,
+                     progress: Callable[[int, int], None] | None = None) -> int:
+    """Write shards `features-00000.safetensors`...; returns the number of shards. Resumable."""
+    os.makedirs(out_dir, exist_ok=True)
+    runner = TargetRunner(model)
+    # Group samples into shards deterministically, so a resumed run skips exactly the shards done.
+    shards, cur, n = [], [], 0
+    for s in samples:
+        cur.append(s)
+        n += len(s[0])
+        if n >= shard_tokens:
+            shards.append(cur)
+            cur, n = [], 0
+    if cur:
+        shards.append(cur)
+    total = len(shards)
+    for k, shard in enumerate(shards):
+        path = os.path.join(out_dir, f"features-{k:05d}.safetensors")
+        if os.path.exists(path):
+            if progress:
+                progress(k + 1, total)
+            continue
+        hid, ids, mask, pv, pi, lens = [], [], [], [], [], []
+        for seq, m in shard:
+            x = torch.tensor(seq, device=runner.device)
+            out = runner.body(input_ids=x[None], use_cache=False)
+            h = out.last_hidden_state[0]
+            probs = torch.softmax(runner.logits(h), dim=-1)
+            v, i = torch.topk(probs, topk, dim=-1)
+            hid.append(h.to(torch.bfloat16).cpu())
+            pv.append(v.half().cpu())
+            pi.append(i.int().cpu())
+            ids.append(x.cpu())
+            mask.append(torch.tensor(m, dtype=torch.bool))
+            lens.append(len(seq))
+        save_file({"hidden": torch.cat(hid), "input_ids": torch.cat(ids), "loss_mask": torch.cat(mask),
+                   "top_probs": torch.cat(pv), "top_ids": torch.cat(pi), "lengths": torch.tensor(lens)}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        if progress:
+            progress(k + 1, total)
+    with open(os.path.join(out_dir, "features.json"), "w") as f:
+        json.dump({"shards": total, "topk": topk, "tokens": sum(len(s[0]) for s in samples)}, f)
+    return total
+
+
+def load_features(out_dir: str) -> list[dict[str, torch.Tensor]]:
+    """All shards' sequences as a list of dicts (hidden, input_ids, loss_mask, top_probs, top_ids)."""
+    seqs = []
+    for path in sorted(glob.glob(os.path.join(out_dir, "*.safetensors"))):
+        d = load_file(path)
+        start = 0
+        for n in d["lengths"].tolist():
+            seqs.append({k: d[k][start : start + n] for k in ("hidden", "input_ids", "loss_mask", "top_probs", "top_ids")})
+            start += n
+    return seqs

@@ -1,0 +1,269 @@
+"""Training an EAGLE-1/2 draft head on cached target features.
+
+Objective (EAGLE paper, section 3.2): smooth-L1 regression of the next feature plus 0.1 x the
+cross-entropy against the target's next-token distribution, with uniform noise on the input
+features. Two additions, each there for a measured reason:
+  * the distribution term is computed over a pruned draft vocabulary (the most frequent target
+    tokens) against the cached top-k target probabilities, so no step touches the full lm_head;
+  * training-time test (EAGLE-3 section 3.3, HASS): steps j >= 1 feed the head its own predicted
+    features, with the attention pattern it meets at tree depth j+1, so deeper draft tokens are
+    trained on the inputs they see at inference.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..head import DraftHead, HeadSpec
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 10
+    lr: float = 5e-4
+    warmup_steps: int = 100
+    batch_tokens: int = 2048
+    max_len: int = 1024
+    noise: float = 0.2            # uniform noise on input features, relative to their RMS
+    p_weight: float = 0.1         # weight of the distribution loss (EAGLE: 0.1)
+    v_weight: float = 1.0         # weight of the feature regression
+    ttt_steps: int = 3            # 1 = plain EAGLE-1 training
+    ttt_decay: float = 0.8        # weight of step j is decay**j
+    draft_vocab: int = 16384      # 0 = full vocabulary
+    grad_clip: float = 0.5
+    weight_decay: float = 0.0
+    seed: int = 0
+    eval_every_epochs: int = 1
+    time_budget_s: float | None = None   # stop (and save) after this much training time
+    max_steps: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+def build_draft_vocab(seqs: list[dict], size: int, always: set[int] = frozenset(), vocab_size: int | None = None) -> torch.Tensor | None:
+    """The `size` target tokens most often ranked first by the target on the training data."""
+    if not size or (vocab_size is not None and size >= vocab_size):
+        return None
+    counts = Counter()
+    for s in seqs:
+        counts.update(s["top_ids"][:, 0].tolist())
+        counts.update(s["input_ids"].tolist())
+    ids = [t for t, _ in counts.most_common(size)]
+    for t in always:
+        if t not in ids:
+            ids.append(t)
+    return torch.tensor(sorted(ids[: max(size, len(always))]), dtype=torch.long)
+
+
+def make_batches(seqs: list[dict], batch_tokens: int, max_len: int, rng: random.Random) -> list[list[int]]:
+    order = sorted(range(len(seqs)), key=lambda i: min(len(seqs[i]["input_ids"]), max_len))
+    batches, cur, width = [], [], 0
+    for i in order:
+        n = min(len(seqs[i]["input_ids"]), max_len)
+        if n < 3:
+            continue
+        if cur and max(width, n) * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, width = [], 0
+        cur.append(i)
+        width = max(width, n)
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(seqs: list[dict], idx: list[int], max_len: int, t2d: torch.Tensor | None):
+    L = max(min(len(seqs[i]["input_ids"]), max_len) for i in idx)
+    B = len(idx)
+    H = seqs[idx[0]]["hidden"].shape[-1]
+    K = seqs[idx[0]]["top_ids"].shape[-1]
+    feat = torch.zeros(B, L, H)
+    ids = torch.zeros(B, L, dtype=torch.long)
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    valid = torch.zeros(B, L, dtype=torch.bool)
+    pv = torch.zeros(B, L, K)
+    pi = torch.zeros(B, L, K, dtype=torch.long)
+    for b, i in enumerate(idx):
+        s = seqs[i]
+        n = min(len(s["input_ids"]), L)
+        feat[b, :n] = s["hidden"][:n].float()
+        ids[b, :n] = s["input_ids"][:n]
+        mask[b, :n] = s["loss_mask"][:n]
+        valid[b, :n] = True
+        pv[b, :n] = s["top_probs"][:n].float()
+        pi[b, :n] = s["top_ids"][:n].long()
+    if t2d is not None:
+        pi = t2d[pi]  # -1 where the target's token is outside the draft vocabulary
+    return feat, ids, mask, valid, pv, pi
+
+
+def ttt_mask(L: int, step: int, valid: torch.Tensor, dtype) -> torch.Tensor:
+    """Additive mask for step `step` rows over keys of steps 0..step (each L rows).
+
+    Row a of step j stands for a tree node at depth j+1 whose context ends at pair a-j: it sees
+    step-0 keys s <= a-j (true features) and, for 1 <= i <= j, the key of its own ancestor at
+    step i (row a-j+i). Step 0 is the ordinary causal mask.
+    """
+    a = torch.arange(L)
+    blocks = [a[None, :] <= (a[:, None] - step)]
+    for i in range(1, step + 1):
+        blocks.append(a[None, :] == (a[:, None] - step + i))
+    allowed = torch.cat(blocks, dim=1)[None] & valid.repeat(1, step + 1)[:, None, :]
+    allowed |= torch.cat([torch.zeros(L, L * step, dtype=torch.bool), torch.eye(L, dtype=torch.bool)], 1)[None]
+    bias = torch.zeros(allowed.shape, dtype=dtype)
+    return bias.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def batch_loss(head: DraftHead, W: torch.Tensor, batch, cfg: TrainConfig, gen: torch.Generator) -> tuple[torch.Tensor, dict]:
+    from transformers import DynamicCache
+
+    feat, ids, mask, valid, pv, pi = batch
+    B, L, H = feat.shape
+    # Pair a = (feature_a, token_{a+1}); predicts feature_{a+1} and the target's distribution there.
+    in_feat, in_ids = feat[:, :-1], ids[:, 1:]
+    tgt_feat, tgt_pv, tgt_pi = feat[:, 1:], pv[:, 1:], pi[:, 1:]
+    row_ok = (mask[:, 1:] & valid[:, 1:]).float()
+    n = L - 1
+    rms = in_feat.pow(2).mean().sqrt()
+    in_feat = in_feat + (torch.rand(in_feat.shape, generator=gen) - 0.5) * 2 * cfg.noise * rms
+    pos = torch.arange(n)[None].expand(B, n)
+    cache = DynamicCache()
+    total = torch.zeros(())
+    stats = {}
+    x = in_feat
+    for j in range(cfg.ttt_steps):
+        out = head(in_ids, x, pos, attention_mask=ttt_mask(n, j, valid[:, 1:], feat.dtype), cache=cache)
+        w = row_ok.clone()
+        w[:, :j] = 0
+        denom = w.sum().clamp(min=1)
+        vloss = (F.smooth_l1_loss(out, tgt_feat, reduction="none").mean(-1) * w).sum() / denom
+        logq = torch.log_softmax(out @ W.T, dim=-1)
+        in_vocab = tgt_pi >= 0
+        ce = -(logq.gather(-1, tgt_pi.clamp(min=0)) * tgt_pv * in_vocab).sum(-1)
+        ploss = (ce * w).sum() / denom
+        top1 = (logq.argmax(-1) == tgt_pi[..., 0]) & in_vocab[..., 0]
+        stats[f"acc{j}"] = ((top1.float() * w).sum() / denom).item()
+        total = total + (cfg.ttt_decay ** j) * (cfg.v_weight * vloss + cfg.p_weight * ploss)
+        if j == 0:
+            stats.update(vloss=vloss.item(), ploss=ploss.item())
+        # Next step's input at row a is this step's prediction at row a-1 (its parent's feature).
+        x = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], dim=1)
+    return total, stats
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    epoch: int = 0
+    tokens_seen: int = 0
+    train_s: float = 0.0
+    best_tau: float = -1.0
+    history: list[dict] = field(default_factory=list)
+
+
+def train_head(model, seqs: list[dict], held_out: list[dict], out_dir: str, cfg: TrainConfig, work_dir: str, resume: bool = False,
+               eval_fn: Callable[[DraftHead], dict] | None = None, log: Callable[[str], None] = print,
+               progress: Callable[[int, int, dict], None] | None = None, metadata: dict | None = None) -> TrainState:
+    """Train, checkpoint to work_dir every epoch (and on stop), save the best head to out_dir."""
+    torch.manual_seed(cfg.seed)
+    os.makedirs(work_dir, exist_ok=True)
+    ckpt_path = os.path.join(work_dir, "checkpoint.pt")
+    spec = HeadSpec.for_target(model.config)
+    state = TrainState()
+    vocab_path = os.path.join(work_dir, "draft_vocab.pt")
+    if resume and os.path.exists(vocab_path):
+        draft_vocab = torch.load(vocab_path, weights_only=True)
+    else:
+        from ..target import model_eos_ids
+
+        draft_vocab = build_draft_vocab(seqs, cfg.draft_vocab, model_eos_ids(model, None), spec.vocab_size)
+        torch.save(draft_vocab, vocab_path)
+    head = DraftHead(spec, draft_vocab).bind(model)
+    head.float().train()
+    W = head.draft_lm_head.float()
+    t2d = None
+    if draft_vocab is not None:
+        t2d = torch.full((spec.vocab_size,), -1, dtype=torch.long)
+        t2d[draft_vocab] = torch.arange(len(draft_vocab))
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    rng = random.Random(cfg.seed)
+    steps_per_epoch = len(make_batches(seqs, cfg.batch_tokens, cfg.max_len, random.Random(0)))
+    total_steps = cfg.max_steps or steps_per_epoch * cfg.epochs
+    if resume and os.path.exists(ckpt_path):
+        ck = torch.load(ckpt_path, weights_only=True)
+        head.load_state_dict(ck["head"], strict=False)
+        opt.load_state_dict(ck["opt"])
+        state = TrainState(**json.loads(ck["state"]))
+        log(f"resumed at step {state.step}, epoch {state.epoch}")
+
+    def lr_at(step):
+        if step < cfg.warmup_steps:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        t = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+    def save_checkpoint():
+        torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "state": json.dumps(asdict(state))}, ckpt_path + ".tmp")
+        os.replace(ckpt_path + ".tmp", ckpt_path)
+
+    def evaluate_and_keep():
+        result = eval_fn(head) if eval_fn else {}
+        head.train()
+        tau = result.get("tau", -state.history[-1]["loss"] if state.history else 0.0)
+        entry = {"epoch": state.epoch, "step": state.step, "tokens_seen": state.tokens_seen, "train_s": round(state.train_s, 1), **result}
+        state.history.append({**entry, "loss": entry.get("loss", 0.0)})
+        log(f"epoch {state.epoch} step {state.step}: " + ", ".join(f"{k}={v}" for k, v in result.items()))
+        if tau > state.best_tau:
+            state.best_tau = tau
+            meta = dict(metadata or {}, tokens_seen=state.tokens_seen, steps=state.step, train_s=round(state.train_s, 1),
+                        recipe=asdict(cfg), eval=result, learning_curve=state.history)
+            head.save(out_dir, metadata=meta)
+        save_checkpoint()
+
+    gen = torch.Generator().manual_seed(cfg.seed + state.step)
+    stop = False
+    while state.epoch < cfg.epochs and not stop:
+        batches = make_batches(seqs, cfg.batch_tokens, cfg.max_len, random.Random(cfg.seed + state.epoch))
+        skip = state.step - state.epoch * steps_per_epoch
+        losses = []
+        for b_i, idx in enumerate(batches):
+            if b_i < skip:
+                continue
+            t0 = time.perf_counter()
+            batch = collate(seqs, idx, cfg.max_len, t2d)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(state.step)
+            loss, stats = batch_loss(head, W, batch, cfg, gen)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            state.step += 1
+            state.tokens_seen += int(batch[3].sum())
+            state.train_s += time.perf_counter() - t0
+            losses.append(loss.item())
+            if progress:
+                progress(state.step, total_steps, dict(stats, loss=loss.item()))
+            if (cfg.time_budget_s and state.train_s >= cfg.time_budget_s) or (cfg.max_steps and state.step >= cfg.max_steps):
+                stop = True
+                break
+            if state.step % 200 == 0:
+                save_checkpoint()
+        if not stop:
+            state.epoch += 1
+        if stop or state.epoch % cfg.eval_every_epochs == 0:
+            evaluate_and_keep()
+    return state
