@@ -173,7 +173,7 @@ class TrainState:
     history: list[dict] = field(default_factory=list)
 
 
-def train_head(model, seqs: list[dict], held_out: list[dict], out_dir: str, cfg: TrainConfig, work_dir: str, resume: bool = False,
+def train_head(model, seqs: list[dict], out_dir: str, cfg: TrainConfig, work_dir: str, resume: bool = False,
                eval_fn: Callable[[DraftHead], dict] | None = None, log: Callable[[str], None] = print,
                progress: Callable[[int, int, dict], None] | None = None, metadata: dict | None = None) -> TrainState:
     """Train, checkpoint to work_dir every epoch (and on stop), save the best head to out_dir."""
@@ -219,21 +219,31 @@ def train_head(model, seqs: list[dict], held_out: list[dict], out_dir: str, cfg:
         torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "state": json.dumps(asdict(state))}, ckpt_path + ".tmp")
         os.replace(ckpt_path + ".tmp", ckpt_path)
 
-    def evaluate_and_keep():
+    def evaluate_and_keep(mean_loss: float):
         result = eval_fn(head) if eval_fn else {}
         head.train()
-        tau = result.get("tau", -state.history[-1]["loss"] if state.history else 0.0)
-        entry = {"epoch": state.epoch, "step": state.step, "tokens_seen": state.tokens_seen, "train_s": round(state.train_s, 1), **result}
-        state.history.append({**entry, "loss": entry.get("loss", 0.0)})
-        log(f"epoch {state.epoch} step {state.step}: " + ", ".join(f"{k}={v}" for k, v in result.items()))
-        if tau > state.best_tau:
-            state.best_tau = tau
+        entry = {"epoch": state.epoch, "step": state.step, "tokens_seen": state.tokens_seen, "train_s": round(state.train_s, 1),
+                 "loss": round(mean_loss, 4), **result}
+        state.history.append(entry)
+        log(", ".join(f"{k}={v}" for k, v in entry.items()))
+        score = result.get("tau", -mean_loss)  # without an evaluator, keep the lowest loss
+        if score > state.best_tau:
+            state.best_tau = score
             meta = dict(metadata or {}, tokens_seen=state.tokens_seen, steps=state.step, train_s=round(state.train_s, 1),
                         recipe=asdict(cfg), eval=result, learning_curve=state.history)
             head.save(out_dir, metadata=meta)
         save_checkpoint()
 
     gen = torch.Generator().manual_seed(cfg.seed + state.step)
+    try:
+        _loop(state, cfg, seqs, steps_per_epoch, total_steps, t2d, opt, lr_at, head, W, gen, params, progress, save_checkpoint, evaluate_and_keep)
+    except KeyboardInterrupt:
+        save_checkpoint()  # Ctrl-C keeps everything up to the last finished step: --resume goes on from there
+        raise
+    return state
+
+
+def _loop(state, cfg, seqs, steps_per_epoch, total_steps, t2d, opt, lr_at, head, W, gen, params, progress, save_checkpoint, evaluate_and_keep):
     stop = False
     while state.epoch < cfg.epochs and not stop:
         batches = make_batches(seqs, cfg.batch_tokens, cfg.max_len, random.Random(cfg.seed + state.epoch))
@@ -265,5 +275,4 @@ def train_head(model, seqs: list[dict], held_out: list[dict], out_dir: str, cfg:
         if not stop:
             state.epoch += 1
         if stop or state.epoch % cfg.eval_every_epochs == 0:
-            evaluate_and_keep()
-    return state
+            evaluate_and_keep(sum(losses) / max(1, len(losses)))

@@ -1,0 +1,79 @@
+"""`eagle2 train`: train a draft head for a model that has none (a thin wrapper over eagle2_core.train)."""
+from __future__ import annotations
+
+import os
+
+import click
+
+
+@click.command("train")
+@click.option("--model", "-m", default=None, metavar="MODEL", help="Target: hub id, local folder or .gguf (default: the embedded SmolLM2).")
+@click.option("--data", "-d", "data", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="ShareGPT JSON/JSONL, {'messages': [...]} JSONL or {'prompt': ...} JSONL; repeatable.")
+@click.option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Folder for the head (EAGLE-1/2 format).")
+@click.option("--work-dir", type=click.Path(file_okay=False), default=None, help="Features and checkpoints (default: OUTPUT.work).")
+@click.option("--resume", is_flag=True, help="Continue a stopped run from its work folder.")
+@click.option("--self-distill/--no-self-distill", default=True, show_default=True, help="Let the target answer the prompts itself.")
+@click.option("--distill-prompts", default=2000, show_default=True, help="How many prompts to self-distill.")
+@click.option("--distill-max-new-tokens", default=256, show_default=True)
+@click.option("--original/--no-original", default=True, show_default=True, help="Also train on the data's own assistant turns.")
+@click.option("--epochs", default=10, show_default=True)
+@click.option("--lr", default=5e-4, show_default=True)
+@click.option("--batch-tokens", default=2048, show_default=True)
+@click.option("--max-len", default=1024, show_default=True)
+@click.option("--ttt-steps", default=3, show_default=True, help="Training-time test steps (1 = plain EAGLE-1 training).")
+@click.option("--draft-vocab", default=16384, show_default=True, help="Pruned draft vocabulary size (0 = full).")
+@click.option("--time-budget", default=None, type=float, help="Stop training after this many minutes (a checkpoint is kept).")
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16", "float16"]))
+@click.option("--device", default="auto", show_default=True)
+@click.option("--trust-remote-code", is_flag=True)
+@click.option("--seed", default=0, show_default=True)
+def train(model, data, output, work_dir, resume, self_distill, distill_prompts, distill_max_new_tokens, original, epochs, lr,
+          batch_tokens, max_len, ttt_steps, draft_vocab, time_budget, dtype, device, trust_remote_code, seed):
+    """Train an EAGLE draft head for MODEL.
+
+    \b
+    Examples:
+      eagle2 train --data sharegpt.json -o heads/smollm2
+      eagle2 train --model Qwen/Qwen2.5-0.5B-Instruct --data prompts.jsonl --time-budget 60 -o heads/qwen
+      eagle2 train ... --resume          # after Ctrl-C or a crash
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from eagle2_core.loading import LoadError, load_target
+    from eagle2_core.train.pipeline import TrainJob, run_training
+    from eagle2_core.train.trainer import TrainConfig
+
+    console = Console(stderr=True)
+    if not data:
+        raise click.UsageError("give training data with --data FILE (ShareGPT, messages or prompt JSONL)")
+    try:
+        target = load_target(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    except LoadError as e:
+        raise click.ClickException(str(e)) from None
+    cfg = TrainConfig(epochs=epochs, lr=lr, batch_tokens=batch_tokens, max_len=max_len, ttt_steps=ttt_steps, draft_vocab=draft_vocab,
+                      seed=seed, time_budget_s=time_budget * 60 if time_budget else None)
+    job = TrainJob(data=list(data), out_dir=output, work_dir=work_dir or output.rstrip("/") + ".work", self_distill=self_distill,
+                   distill_prompts=distill_prompts, distill_max_new_tokens=distill_max_new_tokens, use_original=original,
+                   max_len=max_len, seed=seed, config=cfg)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=console)
+    tasks: dict[str, int] = {}
+
+    def on_progress(stage, done, total, stats):
+        if stage not in tasks:
+            tasks[stage] = progress.add_task(stage, total=total, info="")
+        info = " ".join(f"{k}={v:.3f}" for k, v in stats.items() if isinstance(v, float))
+        progress.update(tasks[stage], completed=done, total=total, info=info)
+
+    try:
+        with progress:
+            result = run_training(target, job, resume=resume, log=lambda m: progress.console.print(m), progress=on_progress)
+    except KeyboardInterrupt:
+        console.print(f"[yellow]stopped.[/] continue with the same command plus --resume (work folder {job.work_dir})")
+        raise SystemExit(130) from None
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    console.print(f"head saved to {os.path.abspath(result['out_dir'])}: best held-out tau {result['best_tau']:.2f}, "
+                  f"{result['tokens_seen']} tokens seen in {result['train_s'] / 60:.1f} min of training")

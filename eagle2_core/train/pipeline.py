@@ -1,0 +1,117 @@
+"""`eagle2 train` as a library call: data -> (self-distillation) -> features -> head -> evaluation.
+
+Every stage writes to a work folder and skips what is already there, so a run stopped by
+Ctrl-C or a crash continues with `resume=True` where it stopped.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..decoder import Eagle2Decoder
+from ..drafter import TreeSettings
+from ..events import GenerationSettings, Summary
+from .data import ReadReport, first_user_prompts, read_conversations, render
+from .distill import self_distill
+from .features import extract_features, load_features
+from .trainer import TrainConfig, train_head
+
+
+@dataclass
+class TrainJob:
+    data: list[str]
+    out_dir: str
+    work_dir: str
+    self_distill: bool = True
+    distill_prompts: int = 2000
+    distill_max_new_tokens: int = 256
+    distill_batch: int = 48
+    use_original: bool = True          # also train on the data's own assistant turns
+    max_len: int = 1024
+    eval_prompts: int = 8
+    eval_max_new_tokens: int = 64
+    seed: int = 0
+    config: TrainConfig = field(default_factory=TrainConfig)
+
+
+def _stage(log, name):
+    log(f"[stage] {name}")
+
+
+def held_out_eval(target_model, tokenizer, prompts: list[list[int]], max_new_tokens: int, tree: TreeSettings | None = None) -> Callable:
+    """tau of the head being trained, measured with the real dynamic-tree decoder."""
+    def evaluate(head) -> dict:
+        head.eval()
+        dec = Eagle2Decoder(target_model, head, tokenizer, tree or TreeSettings())
+        total = Summary()
+        with torch.no_grad():
+            for ids in prompts:
+                _, s = dec.generate(ids, GenerationSettings(max_new_tokens=max_new_tokens))
+                total.merge(s)
+        return {"tau": round(total.tau, 3), "acceptance_by_depth": [round(a, 3) for a in total.acceptance_by_depth]}
+    return evaluate
+
+
+def run_training(target, job: TrainJob, resume: bool = False, log: Callable[[str], None] = print,
+                 progress: Callable[[str, int, int, dict], None] | None = None) -> dict:
+    os.makedirs(job.work_dir, exist_ok=True)
+    t_start = time.time()
+    model, tok = target.model, target.tokenizer
+    if tok.chat_template is None:
+        raise ValueError(f"{target.name} has no chat template; pass one with --chat-template")
+    with open(os.path.join(job.work_dir, "job.json"), "w") as f:
+        json.dump({**asdict(job), "model": target.name}, f, indent=2)
+
+    _stage(log, "read data")
+    conversations: list[list[dict]] = []
+    for path in job.data:
+        rep = ReadReport()
+        convs = read_conversations(path, rep)
+        log(f"{path}: {rep.records} records" + (f", {rep.skipped} skipped" if rep.skipped else "") + (", truncated tail ignored" if rep.truncated_tail else ""))
+        conversations += convs
+    if not conversations:
+        raise ValueError("no usable training records in " + ", ".join(job.data))
+    random.Random(job.seed).shuffle(conversations)
+    prompts = first_user_prompts(conversations)
+    eval_prompts = prompts[: job.eval_prompts]
+    train_convs = conversations[job.eval_prompts:]
+    eval_ids = []
+    for p in eval_prompts:
+        r = tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True)
+        eval_ids.append(list(r["input_ids"] if hasattr(r, "keys") else r))
+
+    feat_dir = os.path.join(job.work_dir, "features")
+    if job.self_distill:
+        _stage(log, "self-distillation (the target answers the prompts itself)")
+        distill_prompts = prompts[job.eval_prompts : job.eval_prompts + job.distill_prompts]
+        self_distill(model, tok, distill_prompts, os.path.join(job.work_dir, "distill.jsonl"), batch_size=job.distill_batch,
+                     max_new_tokens=job.distill_max_new_tokens, feature_dir=feat_dir,
+                     progress=(lambda d, t: progress("distill", d, t, {})) if progress else None)
+    if job.use_original:
+        _stage(log, "feature extraction (the data's own assistant turns)")
+        samples = [r for r in (render(tok, c, job.max_len) for c in train_convs) if r and sum(r[1])]
+        extract_features(model, samples, os.path.join(job.work_dir, "features-original"),
+                         progress=(lambda d, t: progress("features", d, t, {})) if progress else None)
+
+    _stage(log, "training")
+    seqs = []
+    for d in (feat_dir, os.path.join(job.work_dir, "features-original")):
+        if os.path.isdir(d):
+            seqs += load_features(d)
+    n_tokens = sum(len(s["input_ids"]) for s in seqs)
+    log(f"{len(seqs)} sequences, {n_tokens} tokens")
+    meta = {"target": target.name, "data": job.data, "self_distill": job.self_distill, "training_tokens": n_tokens,
+            "trained_with": "eagle2 train", "device": str(next(model.parameters()).device)}
+    state = train_head(model, seqs, job.out_dir, job.config, os.path.join(job.work_dir, "train"), resume=resume,
+                       eval_fn=held_out_eval(model, tok, eval_ids, job.eval_max_new_tokens), log=log,
+                       progress=(lambda s, t, st: progress("train", s, t, st)) if progress else None, metadata=meta)
+    result = {"steps": state.step, "epochs": state.epoch, "tokens_seen": state.tokens_seen, "train_s": round(state.train_s, 1),
+              "best_tau": state.best_tau, "wall_s": round(time.time() - t_start, 1), "out_dir": job.out_dir}
+    log(json.dumps(result))
+    return result

@@ -1,0 +1,157 @@
+"""Training pipeline: data readers, chat-template loss masks, self-distillation, resume, end to end."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from eagle2_core.train.data import ReadReport, first_user_prompts, read_conversations, render
+
+# SmolLM2-135M-Instruct's chat template, as its GGUF carries it (ChatML with a default system turn).
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+SHAREGPT = [
+    {"id": "a", "conversations": [{"from": "human", "value": "Hello there"}, {"from": "gpt", "value": "Hi! How are you?"},
+                                  {"from": "human", "value": "Fine."}, {"from": "gpt", "value": "Good to hear."}]},
+    {"id": "b", "conversations": [{"from": "human", "value": "Count to three"}, {"from": "gpt", "value": "1 2 3"}]},
+    {"id": "c", "conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Name a fox"},
+                                  {"from": "gpt", "value": "The quick brown fox."}]},
+]
+
+
+def write_truncated_sharegpt(path, records, cut_record):
+    text = json.dumps(records + [cut_record], indent=2)
+    cut = text.rindex('"value"')  # cut inside the last record, as the public dump is cut
+    with open(path, "w") as f:
+        f.write(text[:cut])
+
+
+def test_truncated_sharegpt_yields_whole_records_and_counts_skips(tmp_path):
+    path = tmp_path / "sharegpt.json"
+    bad = {"id": "x", "conversations": [{"from": "alien", "value": "?"}]}
+    write_truncated_sharegpt(path, SHAREGPT + [bad], {"id": "cut", "conversations": [{"from": "human", "value": "lost"}]})
+    rep = ReadReport()
+    convs = read_conversations(str(path), rep)
+    assert len(convs) == 3 and rep.records == 3
+    assert rep.skipped == 1 and "record 4" in rep.reasons[0]
+    assert rep.truncated_tail
+    assert convs[2][0] == {"role": "system", "content": "Be brief."}
+
+
+def test_jsonl_messages_and_prompts_with_bad_lines(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+                    'not json\n{"prompt": "just a prompt"}\n{"prompt": 3}\n')
+    rep = ReadReport()
+    convs = read_conversations(str(path), rep)
+    assert [len(c) for c in convs] == [2, 1]
+    assert rep.skipped == 2 and rep.reasons[0].endswith("invalid JSON (Expecting value)") and ":2" in rep.reasons[0]
+    assert first_user_prompts(convs) == [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "just a prompt"}]]
+
+
+def test_assistant_only_loss_mask_on_smollm2_template(tiny_target):
+    tok = tiny_target.tokenizer
+    conv = read_conversations_from(SHAREGPT[0])
+    ids, mask = render(tok, conv, chat_template=SMOLLM2_TEMPLATE)
+    full = tok.apply_chat_template(conv, tokenize=False, chat_template=SMOLLM2_TEMPLATE)
+    assert tok.decode(ids) == full
+    assert "You are a helpful AI assistant named SmolLM" in full
+    # The masked tokens are exactly the two assistant replies, each with its end-of-turn marker.
+    spans, cur = [], []
+    for t, m in zip(ids, mask):
+        if m:
+            cur.append(t)
+        elif cur:
+            spans.append(tok.decode(cur))
+            cur = []
+    if cur:
+        spans.append(tok.decode(cur))
+    assert spans == ["Hi! How are you?<|im_end|>\n", "Good to hear.<|im_end|>\n"]
+
+
+def read_conversations_from(rec):
+    from eagle2_core.train.data import _record_to_messages
+
+    return _record_to_messages(rec)
+
+
+def _tiny_job(tmp_path, data_path, **cfg_overrides):
+    from eagle2_core.train.pipeline import TrainJob
+    from eagle2_core.train.trainer import TrainConfig
+
+    cfg = TrainConfig(epochs=2, lr=1e-3, warmup_steps=2, batch_tokens=256, max_len=128, ttt_steps=2, draft_vocab=64, **cfg_overrides)
+    return TrainJob(data=[str(data_path)], out_dir=str(tmp_path / "head"), work_dir=str(tmp_path / "work"), distill_prompts=6,
+                    distill_max_new_tokens=12, distill_batch=4, eval_prompts=2, eval_max_new_tokens=8, max_len=128, config=cfg)
+
+
+def test_train_end_to_end_then_decode_losslessly(tiny_target, tmp_path):
+    from eagle2_core import Eagle2Decoder, GenerationSettings, TreeSettings
+    from eagle2_core.head import load_head_folder
+    from eagle2_core.train.pipeline import run_training
+
+    data = tmp_path / "sharegpt.json"
+    write_truncated_sharegpt(data, SHAREGPT * 4, {"id": "cut", "conversations": []})
+    job = _tiny_job(tmp_path, data)
+    result = run_training(tiny_target, job, log=lambda m: None)
+    assert result["steps"] > 0 and result["tokens_seen"] > 0
+    # Self-distilled answers were written, with features captured during generation.
+    assert os.path.getsize(os.path.join(job.work_dir, "distill.jsonl")) > 0
+    assert any(f.startswith("distill-") for f in os.listdir(os.path.join(job.work_dir, "features")))
+    # The head is in the published EAGLE-1/2 format plus our metadata.
+    files = set(os.listdir(job.out_dir))
+    assert {"config.json", "model.safetensors", "eagle2.json", "eagle2_draft_vocab.safetensors"} <= files
+    meta = json.load(open(os.path.join(job.out_dir, "eagle2.json")))
+    assert meta["steps"] > 0 and "tau" in meta["eval"] and meta["learning_curve"]
+    model = tiny_target.model
+    head = load_head_folder(job.out_dir, model)
+    assert head.draft_vocab is not None and head.draft_vocab.numel() <= 64 + 4
+    prompt = tiny_target.tokenizer("Write a short poem about")["input_ids"]
+    out, _ = Eagle2Decoder(model, head, tiny_target.tokenizer, TreeSettings(total_tokens=10, depth=3, top_k=3)).generate(
+        prompt, GenerationSettings(max_new_tokens=20, eos_token_ids=()))
+    ref = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=20,
+                         do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert out == ref
+
+
+def test_resume_after_interrupt_reaches_the_same_step_count(tiny_target, tmp_path):
+    from eagle2_core.train.features import load_features
+    from eagle2_core.train.trainer import TrainConfig, train_head
+    from eagle2_core.train.data import render
+    from eagle2_core.train.features import extract_features
+
+    samples = [render(tiny_target.tokenizer, read_conversations_from(r)) for r in SHAREGPT * 6]
+    extract_features(tiny_target.model, samples, str(tmp_path / "feat"), shard_tokens=200)
+    seqs = load_features(str(tmp_path / "feat"))
+    cfg = TrainConfig(epochs=3, warmup_steps=2, batch_tokens=128, max_len=128, ttt_steps=2, draft_vocab=0)
+    full = train_head(tiny_target.model, seqs, str(tmp_path / "h_full"), cfg, str(tmp_path / "w_full"), log=lambda m: None)
+
+    def interrupt(step, total, stats):
+        if step == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_head(tiny_target.model, seqs, str(tmp_path / "h"), cfg, str(tmp_path / "w"), log=lambda m: None, progress=interrupt)
+    assert os.path.exists(tmp_path / "w" / "checkpoint.pt")
+    resumed = train_head(tiny_target.model, seqs, str(tmp_path / "h"), cfg, str(tmp_path / "w"), resume=True, log=lambda m: None)
+    assert full.step > 5
+    assert resumed.step == full.step and resumed.epoch == full.epoch == 3
+
+
+def test_training_time_test_mask_matches_tree_attention():
+    """Step j row a sees true context up to pair a-j and its own ancestors at steps 1..j."""
+    from eagle2_core.train.trainer import ttt_mask
+
+    L = 5
+    valid = torch.ones(1, L, dtype=torch.bool)
+    m = ttt_mask(L, 2, valid, torch.float32)[0, 0] == 0
+    a = 4
+    seen = {(blk, s) for blk in range(3) for s in range(L) if m[a, blk * L + s]}
+    assert seen == {(0, 0), (0, 1), (0, 2), (1, 3), (2, 4)}
+    assert torch.equal(ttt_mask(L, 0, valid, torch.float32)[0, 0] == 0, torch.tril(torch.ones(L, L, dtype=torch.bool)))
