@@ -1,0 +1,316 @@
+"""Prompt input: the line formats `eagle2 generate` and `eagle2 compare -f` read, and chat encoding.
+
+Accepted JSON lines (one object per line, blank lines skipped):
+
+- `{"id": ..., "prompt": "text"}`                     one user message
+- `{"id": ..., "messages": [{"role", "content"}]}`    a conversation (OpenAI chat format)
+- `{"question_id": ..., "turns": ["t1", "t2"]}`       MT-bench: multi-turn, each answer feeds the next turn
+- `{"custom_id": ..., "body": {"messages": [...], "max_tokens": N, "temperature": T}}`   OpenAI batch
+
+Sampling overrides may sit on the line (`max_new_tokens`/`max_tokens`, `temperature`, `top_p`,
+`top_k`, `seed`, `stop`), or in `body` for OpenAI batch lines. A line without an id is named by
+its line number. No terminal code here: errors are `InputError`s carrying file, line and field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+OVERRIDE_FIELDS = ("max_new_tokens", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+
+
+class InputError(ValueError):
+    """A prompt line that cannot run; `describe()` gives the one-line report with file, line and field."""
+
+    def __init__(self, message: str, field: str | None = None, line: int | None = None, path: str | None = None,
+                 key: str | None = None, id: Any = None):
+        super().__init__(message)
+        self.message, self.field, self.line, self.path, self.key, self.id = message, field, line, path, key, id
+
+    def describe(self) -> str:
+        where = f"{self.path or '<input>'}:{self.line}" if self.line is not None else (self.path or "<input>")
+        what = f" field {self.field!r}:" if self.field else ""
+        return f"{where}:{what} {self.message}"
+
+    def record(self) -> dict:
+        """The output line for this failure: the id when known, else the line number."""
+        out: dict[str, Any] = {self.key: self.id} if self.key and self.key != "line" else {"line": self.line}
+        if self.field:
+            out["field"] = self.field
+        out["error"] = self.message
+        return out
+
+
+@dataclass
+class PromptItem:
+    key: str                           # "id", "question_id", "custom_id", or "line" when the line has no id
+    id: Any
+    messages: list[dict]               # the conversation up to the first answer
+    followups: list[str] = field(default_factory=list)   # further user turns (MT-bench)
+    multi_turn: bool = False           # output "turns" rather than "text"
+    overrides: dict = field(default_factory=dict)        # GenerationSettings fields
+    category: str | None = None
+    line: int | None = None
+
+    @property
+    def ident(self) -> tuple[str, str]:
+        """A hashable identity for resume bookkeeping."""
+        return ident(self.key, self.id)
+
+    def echo(self) -> dict:
+        out: dict[str, Any] = {self.key: self.id}
+        if self.category is not None:
+            out["category"] = self.category
+        return out
+
+
+def ident(key: str, value: Any) -> tuple[str, str]:
+    return key, json.dumps(value, sort_keys=True)
+
+
+# -- parsing --------------------------------------------------------------------------------
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _content_text(content, fld: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts: keep the text parts
+        parts = []
+        for p in content:
+            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
+                parts.append(p["text"])
+            else:
+                raise InputError("only text content parts are supported", field=fld)
+        return "".join(parts)
+    raise InputError(f"must be a string, not {type(content).__name__}", field=fld)
+
+
+def parse_messages(msgs, fld: str = "messages") -> list[dict]:
+    if not isinstance(msgs, list):
+        raise InputError(f"must be a list of {{role, content}} objects, not {type(msgs).__name__}", field=fld)
+    if not msgs:
+        raise InputError("is empty", field=fld)
+    out = []
+    for i, m in enumerate(msgs):
+        f = f"{fld}[{i}]"
+        if not isinstance(m, dict):
+            raise InputError(f"must be an object with role and content, not {type(m).__name__}", field=f)
+        role = m.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise InputError(f"role must be one of {', '.join(ROLES)}, not {role!r}", field=f"{f}.role")
+        if "content" not in m:
+            raise InputError("is missing", field=f"{f}.content")
+        out.append({"role": role, "content": _content_text(m["content"], f"{f}.content")})
+    if out[-1]["role"] == "assistant":
+        raise InputError("ends with an assistant message; nothing to answer", field=fld)
+    return out
+
+
+def parse_overrides(obj: dict, prefix: str = "") -> dict:
+    """GenerationSettings fields from a line's sampling keys, type-checked."""
+    out: dict[str, Any] = {}
+    for k in OVERRIDE_FIELDS:
+        if k not in obj or obj[k] is None:
+            continue
+        v, f = obj[k], prefix + k
+        if k in ("max_new_tokens", "max_tokens", "max_completion_tokens"):
+            if not _is_int(v) or v < 0:
+                raise InputError(f"must be a non-negative integer, not {v!r}", field=f)
+            out["max_new_tokens"] = v
+        elif k == "temperature":
+            if not _is_num(v) or v < 0:
+                raise InputError(f"must be a number >= 0, not {v!r}", field=f)
+            out["temperature"] = float(v)
+        elif k == "top_p":
+            if not _is_num(v) or not 0 < v <= 1:
+                raise InputError(f"must be a number in (0, 1], not {v!r}", field=f)
+            out["top_p"] = float(v)
+        elif k == "top_k":
+            if not _is_int(v) or v < 0:
+                raise InputError(f"must be a non-negative integer, not {v!r}", field=f)
+            out["top_k"] = v
+        elif k == "seed":
+            if not _is_int(v):
+                raise InputError(f"must be an integer, not {v!r}", field=f)
+            out["seed"] = v
+        elif k == "stop":
+            stops = [v] if isinstance(v, str) else v
+            if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+                raise InputError("must be a string or a list of strings", field=f)
+            out["stop_strings"] = tuple(stops)
+    return out
+
+
+def _id_of(obj: dict, line: int | None) -> tuple[str, Any]:
+    for key in ("custom_id", "question_id", "id"):
+        if key in obj:
+            v = obj[key]
+            if isinstance(v, bool) or not isinstance(v, (str, int)):
+                raise InputError(f"must be a string or an integer, not {type(v).__name__}", field=key)
+            return key, v
+    return "line", line
+
+
+def parse_record(obj, line: int | None = None) -> PromptItem:
+    """One decoded JSON value to a PromptItem; InputError (with key/id when known) otherwise."""
+    if not isinstance(obj, dict):
+        raise InputError(f"a line must be a JSON object, not {type(obj).__name__}", line=line)
+    key, rid = "line", line
+    try:
+        key, rid = _id_of(obj, line)
+        if key == "custom_id":  # OpenAI batch line
+            body = obj.get("body")
+            if not isinstance(body, dict):
+                raise InputError("must be an object holding messages", field="body")
+            if "messages" not in body:
+                raise InputError("is missing", field="body.messages")
+            msgs = parse_messages(body["messages"], "body.messages")
+            over = parse_overrides(body, "body.")
+            over.update(parse_overrides(obj))
+            return PromptItem(key, rid, msgs, overrides=over, line=line)
+        over = parse_overrides(obj)
+        category = obj.get("category") if isinstance(obj.get("category"), str) else None
+        if "turns" in obj:
+            turns = obj["turns"]
+            if not isinstance(turns, list) or not turns:
+                raise InputError("must be a non-empty list of strings", field="turns")
+            for i, t in enumerate(turns):
+                if not isinstance(t, str) or not t:
+                    raise InputError("must be a non-empty string", field=f"turns[{i}]")
+            return PromptItem(key, rid, [{"role": "user", "content": turns[0]}], list(turns[1:]), True, over, category, line)
+        if "messages" in obj:
+            return PromptItem(key, rid, parse_messages(obj["messages"]), overrides=over, category=category, line=line)
+        if "prompt" in obj:
+            p = obj["prompt"]
+            if not isinstance(p, str):
+                raise InputError(f"must be a string, not {type(p).__name__}", field="prompt")
+            if not p:
+                raise InputError("is empty", field="prompt")
+            return PromptItem(key, rid, [{"role": "user", "content": p}], overrides=over, category=category, line=line)
+        raise InputError("no prompt: give one of prompt, messages, turns, or an OpenAI batch body", field="prompt")
+    except InputError as e:
+        e.line = line if e.line is None else e.line
+        if e.key is None and key != "line":
+            e.key, e.id = key, rid
+        raise
+
+
+def parse_line(text: str, line: int | None = None) -> PromptItem:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"invalid JSON ({e.msg} at column {e.colno})", line=line) from None
+    return parse_record(obj, line)
+
+
+def _open_text(path: str):
+    if path == "-":
+        return sys.stdin
+    if path.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def read_prompt_file(path: str) -> Iterator[PromptItem | InputError]:
+    """Every non-blank line of a JSONL file (`.gz` allowed, `-` for stdin), parsed or failed.
+
+    Duplicate ids become InputErrors naming the line, so each id runs once.
+    """
+    if path != "-" and not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such file")
+    seen: dict[tuple, int] = {}
+    f = _open_text(path)
+    try:
+        for n, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            try:
+                item = parse_line(text, n)
+            except InputError as e:
+                e.path = path
+                yield e
+                continue
+            if item.ident in seen:
+                yield InputError(f"duplicate {item.key} {item.id!r} (first on line {seen[item.ident]})", field=item.key, line=n, path=path)
+                continue
+            seen[item.ident] = n
+            yield item
+    except UnicodeDecodeError as e:
+        raise InputError(f"not UTF-8 text ({e.reason})", path=path) from None
+    finally:
+        if f is not sys.stdin:
+            f.close()
+
+
+def apply_overrides(gen, overrides: dict):
+    """A copy of GenerationSettings `gen` with the line's overrides applied."""
+    return dataclasses.replace(gen, **overrides) if overrides else gen
+
+
+# -- chat encoding --------------------------------------------------------------------------
+def load_chat_template(path: str) -> str:
+    """A Jinja chat template from a file: the raw template, or a JSON file with `chat_template`."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such chat template file")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith(".json"):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise InputError(f"invalid JSON ({e.msg})", path=path) from None
+        tpl = obj.get("chat_template") if isinstance(obj, dict) else None
+        if isinstance(tpl, list):  # named templates: take "default"
+            tpl = next((t.get("template") for t in tpl if isinstance(t, dict) and t.get("name") == "default"), None)
+        if not isinstance(tpl, str):
+            raise InputError("no chat_template string in this JSON file", path=path, field="chat_template")
+        return tpl
+    return text
+
+
+def with_system(messages: list[dict], system_prompt: str | None) -> list[dict]:
+    if not system_prompt or any(m["role"] == "system" for m in messages):
+        return list(messages)
+    return [{"role": "system", "content": system_prompt}] + list(messages)
+
+
+def render_chat(tokenizer, messages: list[dict], chat_template: str | None = None) -> tuple[str, bool]:
+    """(text, templated): the conversation rendered with a generation prompt.
+
+    Uses `chat_template`, else the tokenizer's; a model without one gets plain text (the lone
+    user message itself, or "Role: content" paragraphs). A template that rejects the system
+    role gets the system text folded into the first user message.
+    """
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if template:
+        try:
+            return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False), True
+        except Exception as e:  # jinja TemplateError, "System role not supported", ...
+            if messages and messages[0]["role"] == "system" and len(messages) > 1:
+                folded = [dict(messages[1], content=messages[0]["content"] + "\n\n" + messages[1]["content"])] + list(messages[2:])
+                return tokenizer.apply_chat_template(folded, chat_template=template, add_generation_prompt=True, tokenize=False), True
+            raise InputError(f"chat template failed: {e}") from None
+    if len(messages) == 1 and messages[0]["role"] == "user":
+        return messages[0]["content"], False
+    text = "\n\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in messages)
+    return text + "\n\nAssistant:", False
+
+
+def encode_chat(tokenizer, messages: list[dict], system_prompt: str | None = None, chat_template: str | None = None) -> list[int]:
+    """Token ids of the conversation plus the assistant generation prompt."""
+    text, templated = render_chat(tokenizer, with_system(messages, system_prompt), chat_template)
+    # A template writes its own BOS; plain text gets the tokenizer's special tokens.
+    return list(tokenizer(text, add_special_tokens=not templated)["input_ids"])

@@ -1,0 +1,104 @@
+"""A loaded target + draft head + settings, ready to build decoders: what every command starts from.
+
+`--draft random` gives a freshly initialised head (no speedup; for tests and demos before a
+trained head exists). No terminal code here.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .decoder import Eagle2Decoder
+from .drafter import TreeSettings
+from .events import GenerationSettings
+from .head import DraftHead, HeadSpec
+from .loading import LoadedTarget, LoadError, default_head_for, load_draft_head, load_target
+from .prompts import encode_chat
+from .vanilla import VanillaDecoder
+
+RANDOM_HEAD = "random"
+
+
+def random_head(target: LoadedTarget, seed: int = 0) -> DraftHead:
+    """An untrained head shaped for the target (tau near 1: for tests and demos only)."""
+    g = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        head = DraftHead(HeadSpec.for_target(target.model.config))
+    finally:
+        torch.random.set_rng_state(g)
+    head.metadata = {"random": True}
+    return head.bind(target.model)
+
+
+def load_head(draft: str | None, target: LoadedTarget) -> DraftHead:
+    """`--draft` semantics: None = shipped/registry default, "random" = untrained, else folder or hub id."""
+    if draft == RANDOM_HEAD:
+        return random_head(target)
+    try:
+        return load_draft_head(draft, target)
+    except LoadError as e:
+        if draft is None:
+            raise LoadError(f"{e} (or --draft random for an untrained head: correct output, no speedup)") from e
+        raise
+
+
+@dataclass
+class Runtime:
+    target: LoadedTarget
+    head: DraftHead | None
+    tree: TreeSettings
+    gen: GenerationSettings
+    system_prompt: str | None = None
+    chat_template: str | None = None
+    draft_name: str = ""
+
+    @classmethod
+    def load(cls, model: str | None = None, draft: str | None = None, *, dtype: str = "auto", device: str = "auto",
+             device_map: str | None = None, load_in_8bit: bool = False, load_in_4bit: bool = False,
+             trust_remote_code: bool = False, tree: dict | None = None, gen: GenerationSettings | None = None,
+             system_prompt: str | None = None, chat_template: str | None = None, need_head: bool = True) -> "Runtime":
+        target = load_target(model, dtype=dtype, device=device, device_map=device_map, load_in_8bit=load_in_8bit,
+                             load_in_4bit=load_in_4bit, trust_remote_code=trust_remote_code)
+        head = load_head(draft, target) if need_head else None
+        dev = target.model.get_output_embeddings().weight.device
+        settings = dataclasses.replace(TreeSettings.for_device(dev), **{k: v for k, v in (tree or {}).items() if v is not None})
+        try:
+            settings.validate()
+        except ValueError as e:
+            raise LoadError(str(e)) from None
+        return cls(target, head, settings, gen or GenerationSettings(), system_prompt, chat_template,
+                   draft_name=draft or default_head_for(target.name) or "")
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    @property
+    def model(self):
+        return self.target.model
+
+    @property
+    def max_positions(self) -> int:
+        c = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        return getattr(c, "max_position_embeddings", None) or 1 << 30
+
+    @property
+    def head_is_random(self) -> bool:
+        return bool((getattr(self.head, "metadata", None) or {}).get("random"))
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        return encode_chat(self.tokenizer, messages, self.system_prompt, self.chat_template)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def eagle(self, tree: TreeSettings | None = None) -> Eagle2Decoder:
+        if self.head is None:
+            raise LoadError("no draft head loaded")
+        return Eagle2Decoder(self.model, self.head, self.tokenizer, tree or self.tree)
+
+    def vanilla(self, **generate_kwargs) -> VanillaDecoder:
+        return VanillaDecoder(self.model, self.tokenizer, **generate_kwargs)
