@@ -1,0 +1,4 @@
+"""`python -m eagle2_cli` = `eagle2`."""
+from .main import cli
+
+cli(prog_name="eagle2")

@@ -1,0 +1,321 @@
+"""`eagle2 chat`: an interactive REPL (prompt-toolkit) streaming EAGLE-2 answers with a live stats panel."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import click
+
+from .options import common_options
+from .ui import error
+
+HELP = """\
+/help              this help
+/reset             forget the conversation (keeps the system prompt)
+/system TEXT       set the system prompt (/system alone shows it, /system - clears it)
+/set key=value     change a setting: temperature, top_p, top_k, max_new_tokens, seed,
+                   total_tokens, depth, tree_top_k, draft_shape, show_draft, compare (/set alone lists them)
+/stats             statistics of the session so far
+/bench             re-measure vanilla tokens/s (the speedup baseline)
+/save FILE         write the conversation and statistics as JSON
+/exit              quit (also Ctrl-D); Ctrl-C stops the current answer
+Multi-line input: end a line with \\ or press Esc then Enter; or wrap text in \"\"\" ... \"\"\"."""
+
+EPILOG = """\b
+Examples:
+  eagle2 chat
+  eagle2 chat --prompt "Hi" --max-new-tokens 32
+  eagle2 chat --show-draft --compare -s "You are terse."
+  echo "Tell me a joke" | eagle2 chat --no-calibrate
+  eagle2 chat --model meta-llama/Llama-3.1-8B-Instruct -t 0.7 --top-p 0.9
+"""
+
+UI_FLAGS = ("show_draft", "compare")
+
+
+def _bool(v: str) -> bool:
+    v = v.strip().lower()
+    if v in ("1", "on", "true", "yes", "y"):
+        return True
+    if v in ("0", "off", "false", "no", "n"):
+        return False
+    raise ValueError(f"expected on or off, not {v!r}")
+
+
+def history_path() -> str:
+    from eagle2_core.loading import cache_dir
+
+    return os.path.join(cache_dir(), "chat_history")
+
+
+class ChatApp:
+    """One chat session over a Runtime; terminal-free logic lives in eagle2_core.chat."""
+
+    def __init__(self, rt, out, err, show_draft: bool = False, compare: bool = False, calibration_tokens: int = 32):
+        from eagle2_core.chat import Conversation
+
+        self.rt, self.out, self.err = rt, out, err
+        self.conv = Conversation(system_prompt=rt.system_prompt)
+        rt.system_prompt = None  # the conversation carries it as a message
+        self.show_draft, self.compare = show_draft, compare
+        self.calibration_tokens = calibration_tokens
+        self.calib = None          # vanilla Summary from the last calibration
+        self.calib_when = ""
+        self.vanilla_turns = []    # vanilla Summaries of --compare turns
+
+    # -- baselines ----------------------------------------------------------------------------
+    def calibrate(self, when: str) -> None:
+        from eagle2_core.bench import calibrate_vanilla
+
+        from .ui import status
+
+        n = min(self.calibration_tokens, max(1, self.rt.gen.max_new_tokens))
+        with status(self.err, f"Measuring vanilla speed ({n} tokens)..."):
+            self.calib = calibrate_vanilla(self.rt.vanilla(), self.rt.eagle(), self.rt.encode, self.rt.gen, n)
+        self.calib_when = when
+        self.err.print(f"[dim]vanilla baseline: {self.calib.tokens_per_s:.1f} tokens/s ({self.calib.new_tokens} tokens, {when})[/]")
+
+    def _basis(self, tps: float, vanilla=None) -> tuple[float | None, str]:
+        if vanilla is not None:
+            return (tps / vanilla.tokens_per_s if vanilla.tokens_per_s > 0 else None,
+                    f"vs vanilla generate on this prompt ({vanilla.tokens_per_s:.1f} tok/s)")
+        if self.calib is not None and self.calib.tokens_per_s > 0:
+            return tps / self.calib.tokens_per_s, f"vs vanilla generate calibrated at {self.calib_when} ({self.calib.tokens_per_s:.1f} tok/s, {self.calib.new_tokens} tokens)"
+        return None, "unknown: no vanilla baseline yet (/bench measures one)"
+
+    def _panel(self, summary, tree_size, vanilla=None, extra=None, title="EAGLE-2"):
+        from .ui import stats_panel
+
+        speedup, basis = self._basis(summary.tokens_per_s, vanilla)
+        if self.compare and vanilla is None and self.calib is None:
+            basis = "vs vanilla generate: runs after the answer (--compare)"
+        return stats_panel(summary, tree_size, speedup, basis, title=title, extra=extra)
+
+    # -- one turn -----------------------------------------------------------------------------
+    def answer(self, text: str) -> None:
+        from eagle2_core.bench import first_difference
+        from eagle2_core.chat import IncrementalDetokenizer, LiveStats
+        from eagle2_core.events import Summary
+
+        from .ui import AnswerView
+
+        rt = self.rt
+        ids = rt.encode(self.conv.add_user(text))
+        if len(ids) >= rt.max_positions:
+            self.conv.drop_last_user()
+            error(self.err, f"the conversation is {len(ids)} tokens, the model's context is {rt.max_positions}; /reset to start over")
+            return
+        detok = IncrementalDetokenizer(rt.tokenizer)
+        live = LiveStats()
+        summary, vanilla, extra, interrupted = None, None, None, False
+        stream = rt.eagle().stream(ids, rt.gen)
+        with AnswerView(self.out, self.err, self.show_draft) as view:
+            try:
+                for ev in stream:
+                    if isinstance(ev, Summary):
+                        summary = ev
+                        break
+                    view.add(detok.push(ev))
+                    live.update(ev)
+                    view.set_stats(self._panel(live.summary, live.mean_tree_size))
+                view.add([(detok.flush(), False)])
+            except KeyboardInterrupt:
+                interrupted = True
+                stream.close()
+                summary = live.summary
+                summary.finish_reason = "interrupted"
+            tree = summary.tree_tokens / summary.cycles if summary.cycles else 0.0
+            if self.compare and not interrupted:
+                view.set_stats(self._panel(summary, tree, extra="running vanilla on the same prompt..."))
+                v_tokens, vanilla = rt.vanilla().generate(ids, rt.gen)
+                self.vanilla_turns.append(vanilla)
+                if rt.gen.temperature <= 0:
+                    i = first_difference(detok.ids, v_tokens)
+                    extra = "identical to vanilla" if i is None else f"differs from vanilla from token {i}"
+            view.set_stats(self._panel(summary, tree, vanilla, extra))
+        self.conv.add_assistant(detok.text, summary)
+        if interrupted:
+            self.err.print("[yellow]interrupted[/] (the partial answer stays in the conversation)")
+
+    # -- commands -----------------------------------------------------------------------------
+    def command(self, line: str) -> bool:
+        """Run a slash command; False means exit."""
+        from eagle2_core.chat import apply_setting, settings_view
+
+        cmd, _, arg = line.strip().partition(" ")
+        cmd, arg = cmd.lower(), arg.strip()
+        err = self.err
+        if cmd in ("/exit", "/quit", "/q"):
+            return False
+        if cmd in ("/help", "/?"):
+            err.print(HELP, markup=False, highlight=False)
+        elif cmd == "/reset":
+            self.conv.reset()
+            self.vanilla_turns.clear()
+            err.print("conversation cleared")
+        elif cmd == "/system":
+            if not arg:
+                err.print(f"system prompt: {self.conv.system_prompt!r}", markup=False)
+            else:
+                self.conv.system_prompt = None if arg == "-" else arg
+                err.print("system prompt cleared" if arg == "-" else "system prompt set")
+        elif cmd == "/set":
+            if not arg:
+                view = {**settings_view(self.rt.gen, self.rt.tree), "show_draft": self.show_draft, "compare": self.compare}
+                err.print("  ".join(f"{k}={v}" for k, v in view.items()), markup=False, soft_wrap=True)
+            for a in arg.split():
+                try:
+                    key = a.split("=", 1)[0].strip().lower().replace("-", "_")
+                    if key in UI_FLAGS and "=" in a:
+                        setattr(self, key, _bool(a.split("=", 1)[1]))
+                    else:
+                        self.rt.gen, self.rt.tree, key = apply_setting(self.rt.gen, self.rt.tree, a)
+                    err.print(f"{key} = {getattr(self, key) if key in UI_FLAGS else settings_view(self.rt.gen, self.rt.tree)[key]}", markup=False)
+                except ValueError as e:
+                    error(err, str(e))
+        elif cmd == "/stats":
+            self.stats()
+        elif cmd == "/bench":
+            self.calibrate("/bench")
+        elif cmd == "/save":
+            if not arg:
+                error(err, "usage: /save FILE")
+            else:
+                self.save(os.path.expanduser(arg))
+        else:
+            error(err, f"unknown command {cmd}; /help lists them")
+        return True
+
+    def stats(self) -> None:
+        from eagle2_core.events import Summary
+
+        tot = self.conv.totals()
+        vanilla = None
+        if self.vanilla_turns:
+            vanilla = Summary()
+            for v in self.vanilla_turns:
+                vanilla.merge(v)
+        tree = tot.tree_tokens / tot.cycles if tot.cycles else 0.0
+        panel = self._panel(tot, tree, vanilla, extra=f"{len(self.conv.turns)} answers this session", title="session")
+        if vanilla is not None:  # the basis says "this prompt": over the session it is all --compare turns
+            speedup = tot.tokens_per_s / vanilla.tokens_per_s if vanilla.tokens_per_s else None
+            from .ui import stats_panel
+
+            panel = stats_panel(tot, tree, speedup, f"vs vanilla on the same {len(self.vanilla_turns)} prompts", title="session",
+                                extra=f"{len(self.conv.turns)} answers this session")
+        (self.out if self.out.is_terminal else self.err).print(panel)
+
+    def save(self, path: str) -> None:
+        from eagle2_core.chat import settings_view
+
+        extra = {"model": self.rt.target.name, "draft": self.rt.draft_name}
+        if self.calib is not None:
+            extra["vanilla_calibration"] = self.calib.to_dict()
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.conv.to_json(settings_view(self.rt.gen, self.rt.tree), extra) + "\n")
+        self.err.print(f"saved {path}")
+
+    def handle(self, line: str) -> bool:
+        """One input: a slash command or a user turn. False means exit."""
+        text = line.strip()
+        if not text:
+            return True
+        if text.startswith('"""') and text.endswith('"""') and len(text) >= 6:
+            text = text[3:-3].strip()
+        elif text.startswith("/"):
+            return self.command(text)
+        if text:
+            self.answer(text)
+        return True
+
+    # -- front ends ---------------------------------------------------------------------------
+    def run_lines(self, lines) -> None:
+        for line in lines:
+            if not self.handle(line.rstrip("\n")):
+                break
+
+    def repl(self, history_file: str | None = None, pt_input=None, pt_output=None) -> None:
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+        history = InMemoryHistory()
+        if history_file:
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(history_file)), exist_ok=True)
+                history = FileHistory(history_file)
+            except OSError:
+                pass
+        session = PromptSession(history=history, multiline=True, key_bindings=key_bindings(),
+                                prompt_continuation="... ", input=pt_input, output=pt_output)
+        self.err.print("[dim]/help for commands, Ctrl-D to quit[/]")
+        while True:
+            try:
+                line = session.prompt(">>> ")
+            except KeyboardInterrupt:
+                continue
+            except EOFError:
+                break
+            try:
+                if not self.handle(line):
+                    break
+            except KeyboardInterrupt:  # between tokens it is handled in answer(); here, keep going
+                continue
+
+
+def key_bindings():
+    """Enter sends; a trailing backslash, Esc+Enter or an open triple quote make a new line."""
+    from prompt_toolkit.key_binding import KeyBindings
+
+    kb = KeyBindings()
+
+    @kb.add("enter")
+    def _(event):
+        buf = event.current_buffer
+        text = buf.document.text
+        if text.endswith("\\") and buf.document.is_cursor_at_the_end:
+            buf.delete_before_cursor(1)
+            buf.insert_text("\n")
+        elif text.lstrip().startswith('"""') and text.count('"""') % 2 == 1:
+            buf.insert_text("\n")
+        else:
+            buf.validate_and_handle()
+
+    @kb.add("escape", "enter")
+    def _(event):
+        event.current_buffer.insert_text("\n")
+
+    return kb
+
+
+@click.command(epilog=EPILOG)
+@click.option("--prompt", "-p", "prompts", multiple=True, metavar="TEXT",
+              help="Run this turn and exit, without the REPL (repeatable; slash commands allowed).")
+@click.option("--show-draft", is_flag=True, help="Colour the text that came from accepted draft tokens.")
+@click.option("--compare", "compare_each", is_flag=True, help="Run vanilla generate on every turn too, for an exact speedup.")
+@click.option("--no-calibrate", is_flag=True, help="Skip the short vanilla run at start-up (no speedup shown until /bench).")
+@click.option("--calibration-tokens", type=click.IntRange(min=1), default=32, show_default=True, help="Tokens in the vanilla calibration run.")
+@click.option("--history", "history_file", type=click.Path(dir_okay=False), default=None,
+              help="Input history file [default: ~/.cache/eagle2/chat_history, or under $XDG_CACHE_HOME / $EAGLE2_CACHE].")
+@common_options
+def chat(prompts, show_draft, compare_each, no_calibrate, calibration_tokens, history_file, common):
+    """Chat with a model, EAGLE-2 decoding, with live speed statistics.
+
+    Streams each answer as tokens are accepted, under a panel with tau (tokens per target
+    forward), tree size, acceptance by depth, tokens/s, and the speedup over vanilla generate
+    (from a short calibration run at start-up, /bench, or --compare on every turn).
+    When stdin is not a terminal, each input line is one turn.
+    """
+    from .ui import consoles
+
+    out, err = consoles()
+    rt = common.load(err)
+    app = ChatApp(rt, out, err, show_draft=show_draft, compare=compare_each, calibration_tokens=calibration_tokens)
+    if not no_calibrate and not compare_each:
+        app.calibrate("start-up")
+    if prompts:
+        app.run_lines(prompts)
+    elif sys.stdin is not None and sys.stdin.isatty() and sys.stdout.isatty():
+        app.repl(history_file or history_path())
+    else:
+        app.run_lines(sys.stdin)

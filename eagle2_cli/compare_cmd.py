@@ -1,0 +1,159 @@
+"""`eagle2 compare`: Hugging Face generate vs EAGLE-2 (and other baselines) on the same prompts."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import click
+
+from .options import common_options
+
+AGAINST = ("pld", "sps", "static", "chain")
+
+EPILOG = """\b
+Examples:
+  eagle2 compare --vanilla --limit 4 -n 64
+  eagle2 compare --vanilla --dataset mt-bench --json mt.json --plot mt.png
+  eagle2 compare --vanilla --dataset humaneval --limit 20 --against pld,static,chain
+  eagle2 compare --vanilla -f prompts.jsonl --against sps --assistant HuggingFaceTB/SmolLM2-135M-Instruct \\
+      --model HuggingFaceTB/SmolLM2-1.7B-Instruct --draft my-head/
+"""
+
+
+def _against(ctx, param, value):
+    if not value:
+        return ()
+    names = tuple(dict.fromkeys(v.strip().lower() for v in value.split(",") if v.strip()))
+    bad = [n for n in names if n not in AGAINST]
+    if bad:
+        raise click.BadParameter(f"unknown baseline {', '.join(bad)}; choose from {', '.join(AGAINST)}")
+    return names
+
+
+@click.command(epilog=EPILOG)
+@click.option("--vanilla/--no-vanilla", default=True, show_default=True,
+              help="Run Hugging Face generate as the baseline (speedups and identical outputs are against it).")
+@click.option("-f", "--file", "input_path", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+              help="Prompts in any `eagle2 generate` input format (first turns are used).")
+@click.option("--dataset", type=click.Choice(["mt-bench", "humaneval"]), default=None,
+              help="A vendored benchmark: MT-bench first turns or HumanEval prompts.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Use the first N prompts.")
+@click.option("--against", callback=_against, default="", metavar="LIST",
+              help="Extra baselines in the same run: pld (prompt lookup), sps (assisted generation, needs --assistant), static, chain.")
+@click.option("--assistant", default=None, metavar="MODEL", help="Small model for --against sps.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), default=None, help="Write the statistics as JSON ('-' for stdout).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="PNG: acceptance-length histogram and per-prompt speedup (needs matplotlib).")
+@click.option("--warmup-tokens", type=click.IntRange(min=0), default=8, show_default=True, help="Tokens per method in the warm-up run.")
+@common_options(max_new_tokens=128)
+def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, plot_path, warmup_tokens, common):
+    """Compare EAGLE-2 with Hugging Face generate on the same prompts, in one process.
+
+    Runs a warm-up, then every method on each prompt in turn. Reports tokens/s, speedup (total
+    tokens over total time, and the mean of per-prompt ratios), tau, acceptance by depth and, at
+    temperature 0, how many outputs are identical. Without -f or --dataset, a built-in short set.
+    """
+    from eagle2_core.bench import builtin_items, dataset_items, plot_comparison, run_comparison
+    from eagle2_core.prompts import InputError, read_prompt_file
+
+    from .ui import compare_table, consoles, error, status
+
+    out, err = consoles()
+    if input_path and dataset:
+        raise click.UsageError("give -f FILE or --dataset, not both")
+    if "sps" in against and not assistant:
+        raise click.UsageError("--against sps needs --assistant MODEL")
+    bad = 0
+    if input_path:
+        items = []
+        for entry in read_prompt_file(input_path):
+            if isinstance(entry, InputError):
+                bad += 1
+                error(err, entry.describe(), " (skipped)")
+            else:
+                items.append(entry)
+        source = input_path
+    elif dataset:
+        items, source = dataset_items(dataset), dataset
+    else:
+        items, source = builtin_items(), "built-in prompts"
+    items = items[:limit] if limit else items
+    if not items:
+        raise click.ClickException("no prompts to run")
+
+    rt = common.load(err)
+    ok_items = []
+    for it in items:  # prompts longer than the context are skipped with a message
+        n = len(rt.encode(it.messages))
+        if n >= rt.max_positions:
+            bad += 1
+            error(err, f"{it.key} {it.id!r}: prompt is {n} tokens, the model's context is {rt.max_positions}", " (skipped)")
+        else:
+            ok_items.append(it)
+    items = ok_items
+    if not items:
+        raise click.ClickException("no prompt fits the model's context")
+    methods = {}
+    if vanilla:
+        methods["vanilla"] = (rt.vanilla(), False)
+    methods["eagle2"] = (rt.eagle(), True)
+    for name in against:
+        if name == "pld":
+            methods["pld"] = (rt.vanilla(prompt_lookup_num_tokens=10), False)
+        elif name == "sps":
+            from eagle2_core.loading import load_target
+
+            with status(err, f"Loading assistant {assistant}..."):
+                helper = load_target(assistant, dtype=common.dtype, device=common.device, trust_remote_code=common.trust_remote_code)
+            methods["sps"] = (rt.vanilla(assistant_model=helper.model), False)
+        else:
+            methods[name] = (rt.eagle(dataclasses.replace(rt.tree, shape=name)), True)
+
+    t = rt.tree
+    settings = {"model": rt.target.name, "draft": rt.draft_name, "source": source, "max_new_tokens": rt.gen.max_new_tokens,
+                "temperature": rt.gen.temperature, "top_p": rt.gen.top_p, "top_k": rt.gen.top_k, "seed": rt.gen.seed,
+                "tree": dataclasses.asdict(t), "device": str(rt.model.get_output_embeddings().weight.device),
+                "dtype": str(next(rt.model.parameters()).dtype).replace("torch.", "")}
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        TextColumn("eta"), TimeRemainingColumn(), console=err, disable=not err.is_terminal)
+    with progress:
+        task = progress.add_task("warm-up", total=len(items))
+
+        def on_step(phase, i, item):
+            progress.update(task, description="warm-up" if phase == "warmup" else f"{'/'.join(methods)}", completed=i)
+
+        comp = run_comparison(methods, items, rt.encode, rt.gen, baseline="vanilla" if vanilla else None,
+                              warmup_tokens=warmup_tokens, on_step=on_step, settings=settings)
+
+    title = (f"{len(items)} prompts from {source}, {rt.gen.max_new_tokens} new tokens max, "
+             f"{'greedy' if comp.greedy else f'temperature {rt.gen.temperature}'}, tree {t.shape} {t.total_tokens}/{t.depth}/{t.top_k}")
+    if json_path == "-":
+        out = err  # stdout carries the JSON
+    out.print(compare_table(comp, title))
+    if comp.greedy and vanilla:
+        for name in methods:
+            for item, i in comp.differences(name) if name != "vanilla" else []:
+                out.print(f"[yellow]{name}: {item.key} {item.id!r} differs from vanilla from token {i}[/]", soft_wrap=True)
+    elif vanilla:
+        out.print("[dim]sampling: outputs are not expected to match token for token (same distribution, different draws)[/]")
+    cats = comp.per_category("eagle2")
+    if cats:
+        out.print("tau by category: " + ", ".join(f"{c} {v['tau']:.2f}" for c, v in cats.items()), soft_wrap=True)
+    if json_path:
+        payload = json.dumps(comp.to_json(), indent=2)
+        if json_path == "-":
+            click.echo(payload)
+        else:
+            with open(json_path, "w") as f:
+                f.write(payload + "\n")
+            err.print(f"wrote {json_path}")
+    if plot_path:
+        try:
+            plot_comparison(comp, plot_path)
+        except RuntimeError as e:
+            raise click.ClickException(str(e)) from None
+        err.print(f"wrote {plot_path}")
+    if bad:
+        raise click.exceptions.Exit(1)

@@ -1,0 +1,102 @@
+"""`eagle2 generate`: batch generation from a JSONL file, resumable."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .options import common_options
+
+EPILOG = """\b
+Input lines (JSONL; sampling keys such as max_new_tokens, temperature, top_p, top_k, seed,
+stop may be set per line):
+  {"id": 1, "prompt": "Write a haiku"}
+  {"id": 2, "messages": [{"role": "user", "content": "Hi"}]}
+  {"question_id": 81, "turns": ["First question", "Follow-up"]}          (MT-bench)
+  {"custom_id": "r1", "body": {"messages": [...], "max_tokens": 64}}      (OpenAI batch)
+
+\b
+Output lines echo the id with text (or turns), finish_reason, usage and metrics. Rerunning
+with the same -o skips ids already done; failed lines get {"id" or "line", "error"} records
+and a stderr line, and the exit code is 1.
+
+\b
+Examples:
+  eagle2 generate -f prompts.jsonl -o out.jsonl
+  eagle2 generate -f eagle2_core/data/mt_bench/question.jsonl -o mt.jsonl -n 512
+  eagle2 generate -f batch.jsonl -o out.jsonl --model Qwen/Qwen2-7B-Instruct -t 0.7 --seed 1
+"""
+
+
+@click.command(epilog=EPILOG)
+@click.option("-f", "--file", "input_path", required=True, type=click.Path(dir_okay=False, allow_dash=True),
+              help="Input JSONL ('-' for stdin; .gz allowed).")
+@click.option("-o", "--output", "output_path", default="-", show_default=True, type=click.Path(dir_okay=False, allow_dash=True),
+              help="Output JSONL, appended to and resumed; '-' for stdout.")
+@click.option("--restart", is_flag=True, help="Discard an existing output file instead of resuming it.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@common_options
+def generate(input_path, output_path, restart, no_progress, common):
+    """Generate answers for every prompt in a JSONL file.
+
+    MT-bench lines run turn by turn: each answer goes into the next turn's prompt.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from eagle2_core.batch import OutputWriter, prepare_output, run_item
+    from eagle2_core.prompts import InputError, read_prompt_file
+
+    from .ui import consoles, error
+
+    out, err = consoles()
+    entries = list(read_prompt_file(input_path))  # raises FileNotFoundError -> one clean line
+    done: set = set()
+    if output_path != "-":
+        if restart:
+            open(output_path, "w").close()
+        done = prepare_output(output_path)
+    pending = [e for e in entries if isinstance(e, InputError) or e.ident not in done]
+    skipped = len(entries) - len(pending)
+    todo = sum(1 for e in pending if not isinstance(e, InputError))
+    failed = ok = 0
+    writer = OutputWriter(output_path, sys.stdout)
+
+    def fail(e: InputError, console) -> None:
+        nonlocal failed
+        failed += 1
+        e.path = e.path or input_path
+        writer.write(e.record())
+        error(console, e.describe())
+
+    if skipped:
+        err.print(f"resuming {output_path}: {skipped} already done, {len(pending)} to go")
+    rt = common.load(err) if todo else None
+    decoder = rt.eagle() if rt is not None else None
+    progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[rate]}"),
+                        console=err, disable=no_progress or not err.is_terminal, transient=False)
+    tokens = 0
+    wall = 0.0
+    try:
+        with progress:
+            task = progress.add_task("generating", total=len(pending), rate="")
+            for entry in pending:
+                if isinstance(entry, InputError):
+                    fail(entry, progress.console)
+                else:
+                    try:
+                        rec = run_item(rt, decoder, entry, rt.gen)
+                    except InputError as e:
+                        fail(e, progress.console)
+                    else:
+                        writer.write(rec)
+                        ok += 1
+                        tokens += rec["usage"]["completion_tokens"]
+                        wall += rec["metrics"]["wall_time"]
+                progress.update(task, advance=1, rate=f"{tokens / wall:.1f} tok/s" if wall > 0 else "")
+    finally:
+        writer.close()
+    where = "" if output_path == "-" else f" -> {output_path}"
+    err.print(f"{ok} done, {failed} failed, {skipped} skipped{where}", highlight=False)
+    if failed:
+        raise click.exceptions.Exit(1)

@@ -1,0 +1,127 @@
+"""The options every command shares, as one decorator, and the object they turn into.
+
+Imports of torch/transformers/eagle2_core stay inside functions so `eagle2 --help` and shell
+completion are instant.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, fields
+
+import click
+
+
+@dataclass
+class CommonOptions:
+    model: str | None
+    draft: str | None
+    dtype: str
+    device: str
+    device_map: str | None
+    load_in_8bit: bool
+    load_in_4bit: bool
+    trust_remote_code: bool
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    seed: int | None
+    total_tokens: int | None
+    depth: int | None
+    tree_top_k: int | None
+    draft_shape: str | None
+    system_prompt: str | None
+    chat_template: str | None
+
+    def generation(self):
+        from eagle2_core.events import GenerationSettings
+
+        return GenerationSettings(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                                  top_k=self.top_k, seed=self.seed)
+
+    def tree_overrides(self) -> dict:
+        return {"total_tokens": self.total_tokens, "depth": self.depth, "top_k": self.tree_top_k, "shape": self.draft_shape}
+
+    def load(self, console=None, need_head: bool = True):
+        """Load model and head (a spinner on `console`, normally stderr) into a Runtime."""
+        from eagle2_core.prompts import load_chat_template
+        from eagle2_core.runtime import Runtime
+
+        from .ui import status
+
+        quiet_transformers()
+        template = load_chat_template(self.chat_template) if self.chat_template else None
+        with status(console, f"Loading {self.model or 'the default model (SmolLM2-135M-Instruct)'}..."):
+            rt = Runtime.load(self.model, self.draft, dtype=self.dtype, device=self.device, device_map=self.device_map,
+                              load_in_8bit=self.load_in_8bit, load_in_4bit=self.load_in_4bit,
+                              trust_remote_code=self.trust_remote_code, tree=self.tree_overrides(),
+                              gen=self.generation(), system_prompt=self.system_prompt, chat_template=template,
+                              need_head=need_head)
+        if need_head and rt.head_is_random and console is not None:
+            console.print("[yellow]warning:[/] --draft random: an untrained draft head; output is still exact, but expect no speedup")
+        return rt
+
+
+def quiet_transformers() -> None:
+    """No tqdm bars or advisory warnings from transformers on our terminal (EAGLE2_DEBUG=1 keeps them)."""
+    import os
+
+    if os.environ.get("EAGLE2_DEBUG"):
+        return
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def _options(max_new_tokens: int):
+    o = click.option
+    return [
+        o("--model", "-m", default=None, envvar="EAGLE2_MODEL", show_envvar=True, metavar="MODEL",
+          help="Target: hub id, local folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct."),
+        o("--draft", "-d", default=None, envvar="EAGLE2_DRAFT", metavar="HEAD",
+          help="EAGLE draft head: folder or hub id; 'random' for an untrained head. Default: the shipped/registry head."),
+        o("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True,
+          help="Weights dtype (auto: float32 on CPU, bf16/fp16 on GPU)."),
+        o("--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, mps or auto."),
+        o("--device-map", default=None, help="Accelerate device map for large targets, e.g. auto."),
+        o("--load-in-8bit", is_flag=True, help="Quantize the target with bitsandbytes (8-bit)."),
+        o("--load-in-4bit", is_flag=True, help="Quantize the target with bitsandbytes (4-bit)."),
+        o("--trust-remote-code", is_flag=True, help="Allow custom modelling code from the hub."),
+        o("--temperature", "-t", type=click.FloatRange(min=0), default=0.0, show_default=True, help="Sampling temperature; 0 = greedy."),
+        o("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True, help="Nucleus sampling."),
+        o("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="Top-k sampling; 0 = off."),
+        o("--max-new-tokens", "-n", type=click.IntRange(min=0), default=max_new_tokens, show_default=True, help="Token budget per answer."),
+        o("--seed", type=int, default=None, help="Random seed for sampling."),
+        o("--total-tokens", type=click.IntRange(min=2), default=None, help="Draft tree size incl. root [CPU 24, GPU 60]."),
+        o("--depth", type=click.IntRange(min=1), default=None, help="Longest draft path [CPU 5, GPU 6]."),
+        o("--tree-top-k", type=click.IntRange(min=1), default=None, help="Children tried per expanded node [CPU 6, GPU 10]."),
+        o("--draft-shape", type=click.Choice(["dynamic", "static", "chain"]), default=None,
+          help="dynamic: EAGLE-2 [default]; static: EAGLE-1 tree; chain: no tree."),
+        o("--system-prompt", "-s", default=None, help="System message for chat-formatted prompts."),
+        o("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
+          help="Jinja chat template file (or JSON with chat_template) replacing the tokenizer's."),
+    ]
+
+
+COMMON_FIELDS = tuple(f.name for f in fields(CommonOptions))
+
+
+def common_options(f=None, *, max_new_tokens: int = 256):
+    """Add the shared options; the command receives them as one `common: CommonOptions` argument.
+
+    Put it directly above the function so command-specific options list first in --help.
+    """
+    def deco(func):
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            common = CommonOptions(**{k: kwargs.pop(k) for k in COMMON_FIELDS})
+            if common.load_in_8bit and common.load_in_4bit:
+                raise click.UsageError("--load-in-8bit and --load-in-4bit exclude each other")
+            return func(*args, common=common, **kwargs)
+
+        for opt in reversed(_options(max_new_tokens)):
+            wrapper = opt(wrapper)
+        return wrapper
+
+    return deco(f) if f is not None else deco

@@ -1,0 +1,143 @@
+"""Rich rendering: consoles, spinners, the chat stats panel and streaming view, the compare table."""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+DRAFT_STYLE = "bold cyan"
+
+
+def consoles() -> tuple[Console, Console]:
+    """(stdout console, stderr console), created per invocation so test runners can capture them."""
+    return Console(file=sys.stdout, highlight=False, soft_wrap=False), Console(file=sys.stderr, highlight=False)
+
+
+@contextlib.contextmanager
+def status(console: Console | None, message: str):
+    if console is None or not console.is_terminal:
+        yield
+        return
+    with console.status(message, spinner="dots"):
+        yield
+
+
+def fmt_depths(acc: list[float], limit: int = 8) -> str:
+    if not acc:
+        return "-"
+    s = " ".join(f"{a:.2f}" for a in acc[:limit])
+    return s + (" ..." if len(acc) > limit else "")
+
+
+def stats_panel(summary, tree_size: float | None, speedup: float | None, basis: str, title: str = "EAGLE-2", extra: str | None = None) -> Panel:
+    """tau, tree size, acceptance by depth, tokens/s and speedup, plus what the speedup is measured against."""
+    t = Text()
+    t.append("tau ", style="dim")
+    t.append(f"{summary.tau:.2f}", style="bold")
+    t.append("   tree ", style="dim")
+    t.append(f"{tree_size:.0f}" if tree_size else "-")
+    t.append("   tokens/s ", style="dim")
+    t.append(f"{summary.tokens_per_s:.1f}")
+    t.append("   speedup ", style="dim")
+    t.append(f"{speedup:.2f}x" if speedup else "-", style="bold green" if speedup and speedup >= 1 else "bold yellow")
+    t.append("\nacceptance by depth ", style="dim")
+    t.append(fmt_depths(summary.acceptance_by_depth))
+    t.append(f"   tokens {summary.new_tokens}   verify steps {summary.cycles}", style="dim")
+    t.append(f"\nspeedup {basis}", style="dim")
+    if extra:
+        t.append("\n" + extra, style="dim")
+    return Panel(t, title=title, title_align="left", border_style="blue", expand=False)
+
+
+class AnswerView:
+    """Streams an answer: on a terminal, finished lines scroll above a live panel holding the
+    current line and the stats; elsewhere, plain text to `out` and the panel at the end to `err`."""
+
+    def __init__(self, out: Console, err: Console, show_draft: bool = False):
+        self.out, self.err, self.show_draft = out, err, show_draft
+        self.live_mode = out.is_terminal
+        self.line = Text()
+        self.panel = None
+        self.live: Live | None = None
+        self.wrote = False
+
+    def __enter__(self) -> "AnswerView":
+        if self.live_mode:
+            self.live = Live(self._render(), console=self.out, refresh_per_second=8, transient=False, auto_refresh=True)
+            self.live.__enter__()
+        return self
+
+    def _render(self):
+        return Group(self.line, self.panel) if self.panel is not None else self.line
+
+    def add(self, pieces: list[tuple[str, bool]]) -> None:
+        for text, from_draft in pieces:
+            if not text:
+                continue
+            self.wrote = True
+            if not self.live_mode:
+                self.out.file.write(text)
+                self.out.file.flush()
+                continue
+            style = DRAFT_STYLE if (self.show_draft and from_draft) else ""
+            parts = text.split("\n")
+            for i, part in enumerate(parts):
+                if i > 0:  # a finished line goes above the live area for good
+                    self.live.console.print(self.line)
+                    self.line = Text()
+                self.line.append(part, style=style)
+        if self.live is not None:
+            self.live.update(self._render())
+
+    def set_stats(self, panel) -> None:
+        self.panel = panel
+        if self.live is not None:
+            self.live.update(self._render())
+
+    def __exit__(self, *exc) -> None:
+        if self.live is not None:
+            self.live.update(self._render(), refresh=True)
+            self.live.__exit__(*exc)
+        else:
+            if self.wrote:
+                self.out.file.write("\n")
+                self.out.file.flush()
+            if self.panel is not None:
+                self.err.print(self.panel)
+
+
+def compare_table(comp, title: str) -> Table:
+    t = Table(title=title, title_justify="left", header_style="bold")
+    t.add_column("method")
+    t.add_column("tokens/s", justify="right")
+    t.add_column("speedup\n(total)", justify="right")
+    t.add_column("speedup\n(mean)", justify="right")
+    t.add_column("tau", justify="right")
+    t.add_column("identical", justify="right")
+    t.add_column("acceptance by depth")
+    n = len(comp.items)
+    for name, run in comp.runs.items():
+        sp, mean, same = comp.speedup(name), comp.mean_speedup(name), comp.identical(name)
+        base = name == comp.baseline
+        t.add_row(
+            name,
+            f"{run.tokens_per_s:.1f}",
+            "1.00x" if base else (f"{sp:.2f}x" if sp else "-"),
+            "" if base else (f"{mean:.2f}x" if mean else "-"),
+            f"{run.total.tau:.2f}" if run.speculative else "",
+            "" if base else ("-" if same is None else f"{same}/{n}"),
+            fmt_depths(run.total.acceptance_by_depth, 6) if run.speculative else "",
+        )
+    return t
+
+
+def error(console: Console, message: str, suffix: str = "") -> None:
+    """One red `error:` line; the message is printed literally (no Rich markup)."""
+    from rich.markup import escape
+
+    console.print(f"[red]error:[/] {escape(message)}{suffix}", soft_wrap=True, highlight=False)
