@@ -102,7 +102,7 @@ class Drafter:
         return tree
 
     def _dynamic(self, h, logp, pos, ctx, root, budget, depth) -> DraftTree:
-        k = self.settings.top_k
+        k = min(self.settings.top_k, logp.shape[-1])  # top_k may exceed a tiny (or pruned draft) vocabulary
         scores, ids = torch.topk(logp[0], k)
         tokens = self.head.to_target_ids(ids)
         pool_tokens, pool_parents, pool_scores, pool_expanded = [tokens], [torch.full((k,), -1, device=ids.device)], [scores], [torch.ones(k, dtype=torch.bool, device=ids.device)]

@@ -135,9 +135,9 @@ def choices_to_levels(choices: list[tuple[int, ...]]) -> list[list[tuple[int, in
     for p in choices:
         while len(levels) < len(p):
             levels.append([])
-        parent = index[p[:-1]] if len(p) > 1 else -1
         if len(p) > 1 and p[:-1] not in index:
             raise ValueError(f"static tree path {p} has no parent path {p[:-1]}")
+        parent = index[p[:-1]] if len(p) > 1 else -1
         levels[len(p) - 1].append((parent, p[-1]))
     return levels
 
