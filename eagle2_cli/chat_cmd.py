@@ -1,7 +1,6 @@
 """`eagle2 chat`: an interactive REPL (prompt-toolkit) streaming EAGLE-2 answers with a live stats panel."""
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 
@@ -209,7 +208,7 @@ class ChatApp:
     def save(self, path: str) -> None:
         from eagle2_core.chat import settings_view
 
-        extra = {"model": self.rt.target.name, "draft": self.rt.draft_name}
+        extra = {"runtime": self.rt.describe()}
         if self.calib is not None:
             extra["vanilla_calibration"] = self.calib.to_dict()
         with open(path, "w", encoding="utf-8") as f:

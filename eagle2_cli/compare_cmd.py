@@ -1,14 +1,13 @@
 """`eagle2 compare`: Hugging Face generate vs EAGLE-2 (and other baselines) on the same prompts."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import click
 
 from .options import common_options
 
-AGAINST = ("pld", "sps", "static", "chain")
+AGAINST = ("pld", "sps", "static", "chain")  # = eagle2_core.bench.BASELINES (not imported: keeps --help light)
 
 EPILOG = """\b
 Examples:
@@ -52,7 +51,7 @@ def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, 
     tokens over total time, and the mean of per-prompt ratios), tau, acceptance by depth and, at
     temperature 0, how many outputs are identical. Without -f or --dataset, a built-in short set.
     """
-    from eagle2_core.bench import builtin_items, dataset_items, plot_comparison, run_comparison
+    from eagle2_core.bench import build_methods, builtin_items, dataset_items, plot_comparison, run_comparison, split_by_context
     from eagle2_core.prompts import InputError, read_prompt_file
 
     from .ui import compare_table, consoles, error, status
@@ -81,38 +80,22 @@ def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, 
         raise click.ClickException("no prompts to run")
 
     rt = common.load(err)
-    ok_items = []
-    for it in items:  # prompts longer than the context are skipped with a message
-        n = len(rt.encode(it.messages))
-        if n >= rt.max_positions:
-            bad += 1
-            error(err, f"{it.key} {it.id!r}: prompt is {n} tokens, the model's context is {rt.max_positions}", " (skipped)")
-        else:
-            ok_items.append(it)
-    items = ok_items
+    items, too_long = split_by_context(rt, items)
+    for it, n in too_long:
+        bad += 1
+        error(err, f"{it.key} {it.id!r}: prompt is {n} tokens, the model's context is {rt.max_positions}", " (skipped)")
     if not items:
         raise click.ClickException("no prompt fits the model's context")
-    methods = {}
-    if vanilla:
-        methods["vanilla"] = (rt.vanilla(), False)
-    methods["eagle2"] = (rt.eagle(), True)
-    for name in against:
-        if name == "pld":
-            methods["pld"] = (rt.vanilla(prompt_lookup_num_tokens=10), False)
-        elif name == "sps":
-            from eagle2_core.loading import load_target
+    helper = None
+    if "sps" in against:
+        from eagle2_core.loading import load_target
 
-            with status(err, f"Loading assistant {assistant}..."):
-                helper = load_target(assistant, dtype=common.dtype, device=common.device, trust_remote_code=common.trust_remote_code)
-            methods["sps"] = (rt.vanilla(assistant_model=helper.model), False)
-        else:
-            methods[name] = (rt.eagle(dataclasses.replace(rt.tree, shape=name)), True)
+        with status(err, f"Loading assistant {assistant}..."):
+            helper = load_target(assistant, dtype=common.dtype, device=common.device, trust_remote_code=common.trust_remote_code).model
+    methods = build_methods(rt, against, vanilla=vanilla, assistant_model=helper)
 
     t = rt.tree
-    settings = {"model": rt.target.name, "draft": rt.draft_name, "source": source, "max_new_tokens": rt.gen.max_new_tokens,
-                "temperature": rt.gen.temperature, "top_p": rt.gen.top_p, "top_k": rt.gen.top_k, "seed": rt.gen.seed,
-                "tree": dataclasses.asdict(t), "device": str(rt.model.get_output_embeddings().weight.device),
-                "dtype": str(next(rt.model.parameters()).dtype).replace("torch.", "")}
+    settings = {**rt.describe(), "source": source}
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -135,7 +118,7 @@ def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, 
     if comp.greedy and vanilla:
         for name in methods:
             for item, i in comp.differences(name) if name != "vanilla" else []:
-                out.print(f"[yellow]{name}: {item.key} {item.id!r} differs from vanilla from token {i}[/]", soft_wrap=True)
+                out.print(f"{name}: {item.key} {item.id!r} differs from vanilla from token {i}", style="yellow", markup=False, soft_wrap=True)
     elif vanilla:
         out.print("[dim]sampling: outputs are not expected to match token for token (same distribution, different draws)[/]")
     cats = comp.per_category("eagle2")

@@ -209,6 +209,9 @@ class Comparison:
         }
         for name in self.runs:
             out[name] = self.method_dict(name)
+        cats = self.per_category(main)
+        if cats:
+            out["per_category"] = cats
         out["per_prompt"] = [
             {item.key: item.id, **({"category": item.category} if item.category else {}),
              **{name: {"new_tokens": r.summaries[i].new_tokens, "tokens_per_s": round(r.summaries[i].tokens_per_s, 3),
@@ -219,6 +222,39 @@ class Comparison:
 
 
 Decoder = object  # anything with .generate(prompt_ids, GenerationSettings) -> (tokens, Summary)
+BASELINES = ("pld", "sps", "static", "chain")
+PLD_TOKENS = 10
+
+
+def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=None) -> dict[str, tuple[Decoder, bool]]:
+    """name -> (decoder, speculative?) for a comparison: vanilla HF generate, EAGLE-2, and extra baselines:
+    pld (HF prompt lookup, 10 tokens), sps (HF assisted generation with `assistant_model`), static/chain
+    (our EAGLE-1 tree and chain draft shapes with the same head)."""
+    methods: dict[str, tuple[Decoder, bool]] = {}
+    if vanilla:
+        methods["vanilla"] = (runtime.vanilla(), False)
+    methods["eagle2"] = (runtime.eagle(), True)
+    for name in against:
+        if name == "pld":
+            methods["pld"] = (runtime.vanilla(prompt_lookup_num_tokens=PLD_TOKENS), False)
+        elif name == "sps":
+            if assistant_model is None:
+                raise ValueError("sps needs an assistant model")
+            methods["sps"] = (runtime.vanilla(assistant_model=assistant_model), False)
+        elif name in ("static", "chain"):
+            methods[name] = (runtime.eagle(dataclasses.replace(runtime.tree, shape=name)), True)
+        else:
+            raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
+    return methods
+
+
+def split_by_context(runtime, items: list[PromptItem]) -> tuple[list[PromptItem], list[tuple[PromptItem, int]]]:
+    """(items whose first turn fits the model's context, [(item, prompt tokens)] of those that don't)."""
+    fit, too_long = [], []
+    for it in items:
+        n = len(runtime.encode(it.messages))
+        (fit.append(it) if n < runtime.max_positions else too_long.append((it, n)))
+    return fit, too_long
 
 
 def run_comparison(methods: dict[str, tuple[Decoder, bool]], items: list[PromptItem], encode: Callable[[list[dict]], list[int]],

@@ -89,6 +89,13 @@ class Runtime:
     def head_is_random(self) -> bool:
         return bool((getattr(self.head, "metadata", None) or {}).get("random"))
 
+    def describe(self) -> dict:
+        """Model, head, device, dtype and all settings, for reports (compare --json, chat /save)."""
+        return {"model": self.target.name, "source": self.target.source, "draft": self.draft_name,
+                "device": str(self.model.get_output_embeddings().weight.device),
+                "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
+                "generation": dataclasses.asdict(self.gen), "tree": dataclasses.asdict(self.tree)}
+
     def encode(self, messages: list[dict]) -> list[int]:
         return encode_chat(self.tokenizer, messages, self.system_prompt, self.chat_template)
 

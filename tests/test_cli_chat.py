@@ -1,0 +1,102 @@
+"""`eagle2 chat`: non-TTY stdin, --prompt, the prompt-toolkit REPL through a pipe input, Ctrl-C."""
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from click.testing import CliRunner
+from rich.console import Console
+
+from eagle2_cli.main import cli
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE2_CACHE", str(tmp_path / "cache"))
+
+
+def model_args(tiny_model_dir, tiny_head_dir, n=4):
+    return ["--model", tiny_model_dir, "--draft", tiny_head_dir, "--max-new-tokens", str(n), "--device", "cpu"]
+
+
+def test_chat_reads_stdin_lines(tmp_path, tiny_model_dir, tiny_head_dir):
+    save = tmp_path / "conv.json"
+    stdin = f"Hello\n/set temperature=0.5 depth=3 nope=1\n\nTell me more\n/stats\n/save {save}\n/exit\nnever sent\n"
+    r = CliRunner().invoke(cli, ["chat", "--calibration-tokens", "2", "-s", "Be brief."] + model_args(tiny_model_dir, tiny_head_dir), input=stdin)
+    assert r.exit_code == 0, r.output + r.stderr
+    assert "vanilla baseline:" in r.stderr and "tau" in r.stderr and "calibrated at start-up" in r.stderr
+    assert "temperature = 0.5" in r.stderr and "error: unknown setting 'nope'" in r.stderr
+    d = json.loads(save.read_text())
+    assert [m["role"] for m in d["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert d["messages"][2]["content"] == "Tell me more" and d["system_prompt"] == "Be brief."
+    assert d["settings"]["temperature"] == 0.5 and d["settings"]["depth"] == 3
+    assert len(d["turns"]) == 2 and "vanilla_calibration" in d
+
+
+def test_chat_prompt_option_with_compare(tiny_model_dir, tiny_head_dir):
+    r = CliRunner().invoke(cli, ["chat", "--prompt", "Hi", "--compare", "--show-draft"] + model_args(tiny_model_dir, tiny_head_dir))
+    assert r.exit_code == 0, r.output + r.stderr
+    assert r.stdout.strip()  # the answer
+    assert "vs vanilla generate on this prompt" in r.stderr and "identical to vanilla" in r.stderr
+
+
+def _app(tiny_model_dir, tiny_head_dir, width=100):
+    from eagle2_cli.chat_cmd import ChatApp
+    from eagle2_core.events import GenerationSettings
+    from eagle2_core.runtime import Runtime
+
+    rt = Runtime.load(tiny_model_dir, tiny_head_dir, device="cpu", gen=GenerationSettings(max_new_tokens=3))
+    out = Console(file=io.StringIO(), force_terminal=True, width=width)  # the Live (terminal) path
+    err = Console(file=io.StringIO(), width=width)
+    return ChatApp(rt, out, err, show_draft=True), out, err
+
+
+def test_chat_repl_pipe_input(tmp_path, tiny_model_dir, tiny_head_dir):
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    app, out, err = _app(tiny_model_dir, tiny_head_dir)
+    hist = tmp_path / "hist"
+    with create_pipe_input() as inp:
+        inp.send_text('Hello \\\rworld\r/system Be terse.\r"""a\rb"""\r/reset\r/help\r/exit\r')
+        app.repl(str(hist), pt_input=inp, pt_output=DummyOutput())
+    assert app.conv.system_prompt == "Be terse."
+    assert app.conv.messages == []  # /reset after two answers
+    text = err.file.getvalue()
+    assert "conversation cleared" in text and "/save FILE" in text
+    assert "tau" in out.file.getvalue() and "\x1b[" in out.file.getvalue()
+    assert "+Hello \n+world\n" in hist.read_text()  # FileHistory keeps the multi-line entry
+    assert out.file.getvalue().count("EAGLE-2") >= 2  # two answers, each with its panel
+
+
+def test_chat_repl_turns_and_ctrl_c(tiny_model_dir, tiny_head_dir):
+    from eagle2_core.events import StepEvent
+
+    app, out, err = _app(tiny_model_dir, tiny_head_dir)
+    app.handle('"""multi\nline"""')
+    assert app.conv.messages[0]["content"] == "multi\nline" and app.conv.messages[1]["role"] == "assistant"
+
+    class Interrupting:  # a decoder whose stream is interrupted after the first token (Ctrl-C)
+        def stream(self, ids, gen):
+            yield StepEvent([5], 0, 1, 0.0, 0.0)
+            raise KeyboardInterrupt
+
+    real = app.rt.eagle
+    app.rt.eagle = lambda tree=None: Interrupting()
+    app.handle("stop me")
+    assert "interrupted" in err.file.getvalue()
+    assert app.conv.messages[-1]["role"] == "assistant" and app.conv.turns[-1].finish_reason == "interrupted"
+    app.rt.eagle = real
+    app.handle("/set show_draft=off compare=on")
+    assert app.show_draft is False and app.compare is True
+    app.handle("and again")  # the session goes on after Ctrl-C
+    assert len(app.conv.turns) == 3 and len(app.vanilla_turns) == 1
+    app.handle("/stats")
+    assert "3 answers this session" in out.file.getvalue()
+
+
+def test_chat_refuses_over_long_conversation(tiny_model_dir, tiny_head_dir):
+    app, out, err = _app(tiny_model_dir, tiny_head_dir)
+    app.handle("the sea is blue " * 200)
+    assert app.conv.messages == [] and "context is 256" in err.file.getvalue()

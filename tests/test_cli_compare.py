@@ -1,0 +1,65 @@
+"""`eagle2 compare` on the tiny model: JSON keys, identical greedy outputs, baselines, plot."""
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from eagle2_cli.main import cli
+
+
+def model_args(tiny_model_dir, tiny_head_dir, n=6):
+    return ["--model", tiny_model_dir, "--draft", tiny_head_dir, "--max-new-tokens", str(n), "--device", "cpu"]
+
+
+def test_compare_json_keys(tmp_path, tiny_model_dir, tiny_head_dir):
+    out = tmp_path / "c.json"
+    r = CliRunner().invoke(cli, ["compare", "--vanilla", "--dataset", "mt-bench", "--limit", "2", "--json", str(out), "--warmup-tokens", "2"]
+                           + model_args(tiny_model_dir, tiny_head_dir))
+    assert r.exit_code == 0, r.output + r.stderr
+    d = json.loads(out.read_text())
+    assert d["prompts"] == 2
+    assert d["identical"] == 2  # greedy EAGLE-2 reproduces HF generate exactly
+    assert isinstance(d["speedup"], float) and isinstance(d["speedup_mean_ratio"], float)
+    assert isinstance(d["vanilla"]["tokens_per_s"], float) and isinstance(d["eagle2"]["tokens_per_s"], float)
+    assert d["eagle2"]["tau"] >= 1.0 and isinstance(d["eagle2"]["acceptance_by_depth"], list)
+    assert len(d["per_prompt"]) == 2 and d["settings"]["generation"]["max_new_tokens"] == 6
+    assert "vanilla" in r.stdout and "eagle2" in r.stdout and "2/2" in r.stdout
+    assert d["per_category"] == {"writing": d["eagle2"]["per_category"]["writing"]}  # MT-bench's first two
+    assert [p["question_id"] for p in d["per_prompt"]] == [81, 82]
+
+
+def test_compare_builtin_set_json_to_stdout(tiny_model_dir, tiny_head_dir):
+    r = CliRunner().invoke(cli, ["compare", "--limit", "1", "--json", "-", "--warmup-tokens", "0"] + model_args(tiny_model_dir, tiny_head_dir, 2))
+    assert r.exit_code == 0, r.stderr
+    d = json.loads(r.stdout)  # the table went to stderr
+    assert d["prompts"] == 1 and "eagle2" in r.stderr
+
+
+def test_compare_file_baselines_categories_plot(tmp_path, tiny_model_dir, tiny_head_dir):
+    inp, out, png = tmp_path / "q.jsonl", tmp_path / "c.json", tmp_path / "c.png"
+    inp.write_text('{"question_id": 1, "category": "math", "turns": ["One plus one?", "And two?"]}\n'
+                   '{"question_id": 2, "category": "writing", "turns": ["Write a poem"]}\n'
+                   '{"question_id": 3}\n')
+    r = CliRunner().invoke(cli, ["compare", "-f", str(inp), "--against", "pld,static,chain", "--json", str(out),
+                                 "--plot", str(png), "--warmup-tokens", "1"] + model_args(tiny_model_dir, tiny_head_dir, 4))
+    assert r.exit_code == 1, r.output + r.stderr  # the bad third line is reported, the rest runs
+    assert f"{inp}:3: field 'prompt'" in r.stderr
+    d = json.loads(out.read_text())
+    assert d["prompts"] == 2
+    for name in ("vanilla", "eagle2", "pld", "static", "chain"):
+        assert name in d and d[name]["tokens_per_s"] > 0
+    for name in ("eagle2", "pld", "static", "chain"):
+        assert d[name]["identical"] == 2, name
+    assert set(d["eagle2"]["per_category"]) == {"math", "writing"} and "tau" in d["eagle2"]["per_category"]["math"]
+    assert d["per_category"] == d["eagle2"]["per_category"]
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_option_errors(tiny_model_dir):
+    r = CliRunner().invoke(cli, ["compare", "--against", "sps", "--model", tiny_model_dir])
+    assert r.exit_code == 2 and "--assistant" in r.stderr
+    r = CliRunner().invoke(cli, ["compare", "--against", "medusa"])
+    assert r.exit_code == 2 and "unknown baseline medusa" in r.stderr
+    r = CliRunner().invoke(cli, ["compare", "-f", "x.jsonl", "--dataset", "mt-bench"])
+    assert r.exit_code == 2

@@ -1,0 +1,114 @@
+"""Version, help, shell completions, one-line errors, optional command registration."""
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import subprocess
+import sys
+import types
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from eagle2_cli.main import _register_optional, cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_version_and_help():
+    r = CliRunner().invoke(cli, ["--version"])
+    assert r.exit_code == 0 and r.output.startswith("eagle2 ")
+    for cmd in ("chat", "generate", "compare"):
+        r = CliRunner().invoke(cli, [cmd, "--help"])
+        assert r.exit_code == 0 and "Examples:" in r.output, cmd
+        for opt in ("--model", "--draft", "--dtype", "--device-map", "--load-in-4bit", "--trust-remote-code", "--temperature",
+                    "--top-p", "--top-k", "--max-new-tokens", "--seed", "--total-tokens", "--depth", "--tree-top-k",
+                    "--draft-shape", "--system-prompt", "--chat-template"):
+            assert opt in r.output, (cmd, opt)
+
+
+def test_cli_import_is_light():
+    """`eagle2 --help` and completion must not import torch."""
+    code = "import sys, eagle2_cli.main; print('torch' in sys.modules)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.stdout.strip() == "False", p.stderr
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh", "fish"])
+def test_completion_files_match_click(shell):
+    from eagle2_cli.completion import FILES, completion_script
+
+    with open(os.path.join(ROOT, "completions", FILES[shell]), encoding="utf-8") as f:
+        assert f.read() == completion_script(shell), "regenerate with: python -m eagle2_cli.completion"
+
+
+def test_completion_env_var_matches_file():
+    env = dict(os.environ, _EAGLE2_COMPLETE="bash_source")
+    p = subprocess.run([sys.executable, "-m", "eagle2_cli"], capture_output=True, text=True, env=env, timeout=120)
+    with open(os.path.join(ROOT, "completions", "eagle2.bash"), encoding="utf-8") as f:
+        assert p.stdout.strip() == f.read().strip()
+
+
+def _one_line_error(r):
+    assert r.exit_code == 1, r.output + r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), r.stderr
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+    return lines[0]
+
+
+def test_load_errors_are_one_line(tmp_path, tiny_model_dir, tiny_head_dir):
+    from eagle2_core.head import DraftHead, HeadSpec
+
+    line = _one_line_error(CliRunner().invoke(cli, ["chat", "--prompt", "x", "--model", str(tmp_path / "nope"), "--draft", "random"]))
+    assert "nope" in line
+    line = _one_line_error(CliRunner().invoke(cli, ["chat", "--prompt", "x", "--model", tiny_model_dir, "--draft", str(tmp_path / "nohead")]))
+    assert "nohead" in line
+    other = tmp_path / "other_head"  # a head for a model with another hidden size
+    DraftHead(HeadSpec(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=320)).save(str(other))
+    line = _one_line_error(CliRunner().invoke(cli, ["compare", "--limit", "1", "--model", tiny_model_dir, "--draft", str(other)]))
+    assert "hidden_size 32" in line and "another model" in line
+    line = _one_line_error(CliRunner().invoke(cli, ["generate", "-f", str(tmp_path / "missing.jsonl"), "--model", tiny_model_dir]))
+    assert "missing.jsonl" in line
+    # no --draft, and the folder ships no head: says how to get one
+    line = _one_line_error(CliRunner().invoke(cli, ["chat", "--prompt", "x", "--model", tiny_model_dir]))
+    assert "--draft" in line and "random" in line
+
+
+def test_random_head_and_folder_default_head(tmp_path, tiny_model_dir, tiny_head_dir):
+    import shutil
+
+    r = CliRunner().invoke(cli, ["chat", "--prompt", "Hi", "--model", tiny_model_dir, "--draft", "random", "-n", "2", "--no-calibrate"])
+    assert r.exit_code == 0 and "untrained draft head" in r.stderr
+    model = tmp_path / "with_head"  # a model folder carrying its own eagle2-head/ needs no --draft
+    shutil.copytree(tiny_model_dir, model)
+    shutil.copytree(tiny_head_dir, model / "eagle2-head")
+    r = CliRunner().invoke(cli, ["chat", "--prompt", "Hi", "--model", str(model), "-n", "2", "--no-calibrate"])
+    assert r.exit_code == 0, r.stderr
+
+
+def test_usage_errors():
+    r = CliRunner().invoke(cli, ["chat", "--load-in-8bit", "--load-in-4bit"])
+    assert r.exit_code == 2 and "exclude each other" in r.stderr
+    r = CliRunner().invoke(cli, ["chat", "--draft-shape", "round"])
+    assert r.exit_code == 2
+
+
+def test_optional_command_registration(monkeypatch):
+    mod = types.ModuleType("eagle2_cli.fake_extra_cmd")
+    mod.__spec__ = importlib.machinery.ModuleSpec("eagle2_cli.fake_extra_cmd", None)
+
+    @click.command("fakeextra")
+    def fakeextra():
+        click.echo("ran")
+
+    mod.fakeextra = fakeextra
+    monkeypatch.setitem(sys.modules, "eagle2_cli.fake_extra_cmd", mod)
+    try:
+        _register_optional("fake_extra_cmd", "fakeextra")
+        assert CliRunner().invoke(cli, ["fakeextra"]).output == "ran\n"
+        _register_optional("no_such_module_here", "nothing")
+        assert "nothing" not in cli.commands
+    finally:
+        cli.commands.pop("fakeextra", None)
