@@ -100,3 +100,26 @@ def test_chat_refuses_over_long_conversation(tiny_model_dir, tiny_head_dir):
     app, out, err = _app(tiny_model_dir, tiny_head_dir)
     app.handle("the sea is blue " * 200)
     assert app.conv.messages == [] and "context is 256" in err.file.getvalue()
+
+
+def test_show_draft_colours_draft_text():
+    from eagle2_cli.ui import AnswerView
+
+    for show in (True, False):
+        out = Console(file=io.StringIO(), force_terminal=True, color_system="standard", width=80)
+        err = Console(file=io.StringIO(), width=80)
+        with AnswerView(out, err, show_draft=show) as view:
+            view.add([("drafted", True), (" own\nnext ", False), ("line", True)])
+        text = out.file.getvalue()
+        assert "drafted" in text and "next" in text
+        assert ("\x1b[1;36mdrafted" in text) is show
+
+
+def test_answer_view_plain_mode():
+    from eagle2_cli.ui import AnswerView
+
+    out, err = Console(file=io.StringIO(), width=80), Console(file=io.StringIO(), width=80)
+    with AnswerView(out, err, show_draft=True) as view:
+        view.add([("a", True), ("b\nc", False)])
+        view.set_stats("STATS")
+    assert out.file.getvalue() == "ab\nc\n" and "STATS" in err.file.getvalue()
