@@ -72,7 +72,7 @@ def accept_sampling(tree: DraftTree, probs: torch.Tensor, generator: torch.Gener
             rejected.append(tok)
             rejected_mass += pc
         if accepted is None:
-            row = probs[node].float().cpu()
+            row = probs[node].float().cpu().clone()  # a copy: float32 CPU input would be a view
             if rejected:
                 row[rejected] = 0.0
             if not torch.isfinite(row).all() or row.sum() <= 0:
