@@ -15,7 +15,8 @@ DRAFT_STYLE = "bold cyan"
 
 def consoles() -> tuple[Console, Console]:
     """(stdout console, stderr console), created per invocation so test runners can capture them."""
-    return Console(file=sys.stdout, highlight=False, soft_wrap=False), Console(file=sys.stderr, highlight=False)
+    # soft_wrap: message lines (paths, errors) stay whole for grep; tables and panels still fit the width
+    return Console(file=sys.stdout, highlight=False, soft_wrap=True), Console(file=sys.stderr, highlight=False, soft_wrap=True)
 
 
 @contextlib.contextmanager
