@@ -45,26 +45,29 @@ def generate_batch(model, prompts: list[list[int]], eos: set[int], max_new_token
     tops = [[(pv[b, width - len(p):], pi[b, width - len(p):])] for b, p in enumerate(prompts)]
     next_tok = pi[:, -1, 0]
     answers = [[] for _ in prompts]
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
     eos_t = torch.tensor(sorted(eos), device=dev)
     last_pos = pos[:, -1]
+    active = torch.arange(B, device=dev)  # rows of the running batch, as indices into prompts
     for _ in range(max_new_tokens):
-        was_done = done.clone()
-        for b, t in enumerate(next_tok.tolist()):
-            if not was_done[b]:
-                answers[b].append(t)
-        done |= torch.isin(next_tok, eos_t)
-        if bool(done.all()) or len(answers[0]) >= max_new_tokens:
+        for row, t in zip(active.tolist(), next_tok.tolist()):
+            answers[row].append(t)
+        finished = torch.isin(next_tok, eos_t)
+        if bool(finished.all()) or len(answers[int(active[0])]) >= max_new_tokens:
             break
-        attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype, device=dev)], dim=1)
+        if bool(finished.any()):
+            # Drop finished rows from the batch and its cache: answers end at very different
+            # lengths, and computing padding for them costs most of the time otherwise.
+            keep = torch.nonzero(~finished).flatten()
+            cache.batch_select_indices(keep)
+            active, attn, next_tok, last_pos = active[keep], attn[keep], next_tok[keep], last_pos[keep]
+        attn = torch.cat([attn, torch.ones(len(active), 1, dtype=attn.dtype, device=dev)], dim=1)
         last_pos = last_pos + 1
         h = body(input_ids=next_tok[:, None], attention_mask=attn, position_ids=last_pos[:, None], cache=cache, use_cache=True).last_hidden_state
         probs = torch.softmax(lm_head(h[:, -1]).float(), dim=-1)
         pv, pi = torch.topk(probs, topk, dim=-1)
-        for b in range(B):
-            if not was_done[b]:  # the token fed this step belongs to sequence b's answer
-                feats[b].append(h[b, -1:])
-                tops[b].append((pv[b : b + 1], pi[b : b + 1]))
+        for j, row in enumerate(active.tolist()):  # the token fed this step belongs to row's answer
+            feats[row].append(h[j, -1:])
+            tops[row].append((pv[j : j + 1], pi[j : j + 1]))
         next_tok = pi[:, 0]
     records = []
     for b, p in enumerate(prompts):
