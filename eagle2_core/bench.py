@@ -54,11 +54,13 @@ def dataset_items(name: str) -> list[PromptItem]:
 
 # -- metrics --------------------------------------------------------------------------------
 def acceptance_rate(summary: Summary, depth: int) -> float:
-    """Accepted draft tokens per verify step over the tree depth: the share of drafted depth accepted."""
+    """Share of the drafted depth accepted: the Summary's own rate, or accepted per cycle / depth
+    for summaries that did not record tree depths."""
+    if summary.depth_sum:
+        return summary.acceptance_rate
     if not summary.cycles or depth <= 0:
         return 0.0
-    accepted = sum(i * n for i, n in enumerate(summary.accepted_hist))
-    return accepted / summary.cycles / depth
+    return summary.accepted_per_cycle / depth
 
 
 def summary_metrics(summary: Summary, depth: int) -> dict:

@@ -35,6 +35,7 @@ class Summary:
     cycles: int = 0
     accepted_hist: list[int] = field(default_factory=list)   # cycles by number of draft tokens accepted
     tree_tokens: int = 0
+    depth_sum: int = 0              # deepest draft path of each cycle's tree, summed
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_s: float = 0.0
@@ -48,6 +49,7 @@ class Summary:
             self.accepted_hist.append(0)
         self.accepted_hist[accepted] += 1
         self.tree_tokens += tree.size
+        self.depth_sum += int(tree.depth[-1]) if tree.size > 1 else 0  # nodes are in depth order
         self.draft_s += draft_s
         self.verify_s += verify_s
 
@@ -72,13 +74,17 @@ class Summary:
         return [reach[d] / reach[d - 1] if reach[d - 1] else 0.0 for d in range(1, len(reach))]
 
     @property
+    def accepted_per_cycle(self) -> float:
+        return sum(i * n for i, n in enumerate(self.accepted_hist)) / self.cycles if self.cycles else 0.0
+
+    @property
     def acceptance_rate(self) -> float:
-        """Accepted draft tokens per cycle, divided by the mean tree depth reachable (a coarse rate)."""
+        """Accepted draft tokens over the longest draft path of each tree: 1.0 = every path fully accepted."""
         acc = sum(i * n for i, n in enumerate(self.accepted_hist))
-        return acc / self.cycles if self.cycles else 0.0
+        return acc / self.depth_sum if self.depth_sum else 0.0
 
     def merge(self, other: "Summary") -> None:
-        for name in ("prompt_tokens", "new_tokens", "target_forwards", "cycles", "tree_tokens", "draft_s", "verify_s", "prefill_s", "wall_s"):
+        for name in ("prompt_tokens", "new_tokens", "target_forwards", "cycles", "tree_tokens", "depth_sum", "draft_s", "verify_s", "prefill_s", "wall_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for i, n in enumerate(other.accepted_hist):
             while len(self.accepted_hist) <= i:
@@ -89,7 +95,7 @@ class Summary:
         return {
             "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
             "verify_steps": self.cycles, "tau": round(self.tau, 4), "acceptance_by_depth": [round(a, 4) for a in self.acceptance_by_depth],
-            "accepted_per_cycle": round(self.acceptance_rate, 4), "accepted_hist": self.accepted_hist,
+            "accepted_per_cycle": round(self.accepted_per_cycle, 4), "acceptance_rate": round(self.acceptance_rate, 4), "accepted_hist": self.accepted_hist,
             "mean_tree_size": round(self.tree_tokens / self.cycles, 2) if self.cycles else 0,
             "draft_s": round(self.draft_s, 4), "verify_s": round(self.verify_s, 4), "prefill_s": round(self.prefill_s, 4),
             "wall_time": round(self.wall_s, 4), "tokens_per_s": round(self.tokens_per_s, 3), "finish_reason": self.finish_reason,
