@@ -59,11 +59,10 @@ class Eagle2Decoder:
             t2 = time.perf_counter()
             # Verify (paper section 3): all tree nodes in one forward; node i at position past + depth(i).
             hidden = run.forward(tree.tokens, past + tree.depth, run.tree_mask(tree, past), cache)
-            logits = run.logits(hidden)
             if gen.temperature > 0:
-                path, bonus = accept_sampling(tree, target_probs(logits, warpers), rng)
+                path, bonus = accept_sampling(tree, target_probs(run.logits(hidden), warpers), rng)
             else:
-                path, bonus = accept_greedy(tree, logits.argmax(-1))
+                path, bonus = self._accept_greedy(tree, hidden)
             path_t = torch.tensor(path, device=dev)
             cache.keep(past, path_t)  # accepted nodes' KV move into place; the rest is dropped
             t3 = time.perf_counter()
@@ -75,6 +74,24 @@ class Eagle2Decoder:
 
         summary.finish(stop, time.perf_counter() - t0)
         yield summary
+
+    def _accept_greedy(self, tree, hidden) -> tuple[list[int], int]:
+        """Greedy acceptance with lm_head applied only where an argmax is needed.
+
+        Children are checked against their parent's argmax, so only nodes with children need
+        logits up front; a leaf needs them only when the accepted path ends there (one more row).
+        On a small model lm_head is a large share of the verify cost, and about half the nodes
+        of a tree are leaves.
+        """
+        internal = torch.zeros(tree.size, dtype=torch.bool, device=tree.tokens.device)
+        internal[tree.parents[1:]] = True
+        rows = torch.nonzero(internal).flatten()
+        argmax = torch.full((tree.size,), -1, dtype=torch.long, device=tree.tokens.device)
+        argmax[rows] = self.runner.logits(hidden[rows]).argmax(-1)
+        path, bonus = accept_greedy(tree, argmax)
+        if bonus < 0:  # the path ends at a leaf
+            bonus = int(self.runner.logits(hidden[path[-1] : path[-1] + 1]).argmax(-1))
+        return path, bonus
 
     def _pick(self, logits, warpers, rng) -> list[int]:
         if warpers is None:
