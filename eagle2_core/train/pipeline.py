@@ -32,6 +32,7 @@ class TrainJob:
     distill_prompts: int = 2000
     distill_max_new_tokens: int = 256
     distill_batch: int = 48
+    distill_max_prompt_tokens: int = 256
     use_original: bool = True          # also train on the data's own assistant turns
     max_len: int = 1024
     eval_prompts: int = 8
@@ -77,10 +78,14 @@ def run_training(target, job: TrainJob, resume: bool = False, log: Callable[[str
         conversations += convs
     if not conversations:
         raise ValueError("no usable training records in " + ", ".join(job.data))
-    random.Random(job.seed).shuffle(conversations)
     prompts = first_user_prompts(conversations)
-    eval_prompts = prompts[: job.eval_prompts]
-    train_convs = conversations[job.eval_prompts:]
+    random.Random(job.seed).shuffle(prompts)
+    # Held-out prompts come from the end, distillation prompts from the front: a larger
+    # --distill-prompts on --resume extends the same list, and indices in distill.jsonl stay valid.
+    eval_prompts = prompts[len(prompts) - job.eval_prompts :] if job.eval_prompts else []
+    held_out = {json.dumps(p) for p in eval_prompts}
+    random.Random(job.seed).shuffle(conversations)
+    train_convs = [c for c in conversations if json.dumps((first_user_prompts([c]) or [None])[0]) not in held_out]
     eval_ids = []
     for p in eval_prompts:
         r = tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True)
@@ -89,9 +94,9 @@ def run_training(target, job: TrainJob, resume: bool = False, log: Callable[[str
     feat_dir = os.path.join(job.work_dir, "features")
     if job.self_distill:
         _stage(log, "self-distillation (the target answers the prompts itself)")
-        distill_prompts = prompts[job.eval_prompts : job.eval_prompts + job.distill_prompts]
+        distill_prompts = prompts[: min(job.distill_prompts, len(prompts) - job.eval_prompts)]
         self_distill(model, tok, distill_prompts, os.path.join(job.work_dir, "distill.jsonl"), batch_size=job.distill_batch,
-                     max_new_tokens=job.distill_max_new_tokens, feature_dir=feat_dir,
+                     max_new_tokens=job.distill_max_new_tokens, max_prompt_tokens=job.distill_max_prompt_tokens, feature_dir=feat_dir,
                      progress=(lambda d, t: progress("distill", d, t, {})) if progress else None)
     if job.use_original:
         _stage(log, "feature extraction (the data's own assistant turns)")
