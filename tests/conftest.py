@@ -92,3 +92,210 @@ def tiny_target(tiny_model_dir):
     from eagle2_core.loading import load_target
 
     return load_target(tiny_model_dir, dtype="float32", device="cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Core engine suite (test_tree, test_accept, test_kvcache, test_decoder_identity,
+# test_sampling_lossless, test_checkpoints, test_quant8): tiny random-weight models built from
+# configs in-process, for Llama, Qwen2, Mistral (sliding window) and Gemma 3 (hybrid layers).
+# ---------------------------------------------------------------------------------------------
+import pytest  # noqa: E402,F811  (repeated so this section stands alone)
+import torch  # noqa: E402
+
+torch.set_num_threads(1)  # 2 shared cores; tiny models gain nothing from intra-op threads
+
+CORE_ARCHS = ("llama", "qwen2", "mistral", "gemma3")
+
+
+def make_tiny_lm(arch: str = "llama", vocab_size: int = 12, max_position_embeddings: int = 40, seed: int = 0,
+                 hidden_size: int = 32, num_layers: int = 2, initializer_range: float = 0.1, logit_scale: float = 5.0):
+    """A tiny random causal LM of the given architecture, eval mode, with no EOS configured.
+
+    `logit_scale` multiplies lm_head so next-token distributions are peaked enough for a trained
+    head to be confident (deep dynamic trees); the greedy argmax is unaffected by the scale.
+    Mistral gets sliding_window=5; Gemma 3 gets head_dim 16, sliding_window 4 and layer_types
+    sliding/full/sliding (3 layers), untied embeddings (tied ones make it echo its input token).
+    """
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=max_position_embeddings, initializer_range=initializer_range,
+                  eos_token_id=None, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=5))
+    elif arch == "gemma3":
+        common["num_hidden_layers"] = max(3, num_layers)
+        types = ["sliding_attention", "full_attention"] * common["num_hidden_layers"]
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, head_dim=16, sliding_window=4,
+                                                   layer_types=types[: common["num_hidden_layers"] - 1] + ["sliding_attention"]))
+    else:
+        raise ValueError(arch)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(logit_scale)
+    model.generation_config.eos_token_id = None
+    return model.eval().requires_grad_(False)
+
+
+def distill_tiny_head(model, steps: int = 150, seed: int = 1, n_seq: int = 48, seq_len: int = 32, lr: float = 3e-3):
+    """A draft head fitted for a few seconds to `model`'s own sampled text, then bound to it.
+
+    A random head rarely drafts more than one matching token; a fitted one gets accepted paths
+    of every depth, so the tests exercise multi-token acceptance and KV compaction.
+    """
+    from eagle2_core.head import DraftHead, HeadSpec
+    from eagle2_core.tree import causal_attention_bias
+
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    head = DraftHead(HeadSpec.for_target(model.config)).bind(model)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    prompts = torch.randint(0, vocab, (n_seq, 4), generator=gen)
+    with torch.no_grad():
+        seqs = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, top_k=0, top_p=1.0,
+                              max_new_tokens=seq_len - 4, pad_token_id=0, eos_token_id=None)
+        out = model(seqs, output_hidden_states=True)
+        feats, target = out.hidden_states[-1], torch.softmax(out.logits.float(), -1)
+    inputs, feats, target = seqs[:, 1:], feats[:, :-1], target[:, 1:]  # pairs (f_t, x_{t+1}) -> p(. | x_<=t+1)
+    pos = torch.arange(seq_len - 1)[None].expand(n_seq, -1)
+    mask = causal_attention_bias(seq_len - 1, 0, torch.float32, "cpu")
+    opt = torch.optim.Adam(head.parameters(), lr=lr)
+    head.train()
+    with torch.enable_grad():
+        for _ in range(steps):
+            logp = torch.log_softmax(head.draft_logits(head(inputs, feats, pos, attention_mask=mask)), -1)
+            loss = -(target * logp).sum(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return head.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def tiny_lm():
+    """Factory: `tiny_lm(arch, **kw)` -> a tiny random causal LM (see `make_tiny_lm`)."""
+    return make_tiny_lm
+
+
+@pytest.fixture(scope="session")
+def fitted_head():
+    """Factory: `fitted_head(model)` -> a draft head fitted to `model` (see `distill_tiny_head`)."""
+    return distill_tiny_head
+
+
+# -- acceptance rules, correct and deliberately broken, for the losslessness tests ----------------
+ACCEPT_RULES = ("correct", "no_renorm_accept", "no_renorm_residual")
+
+
+def _node_outcomes(parents: list[int], tokens: list[int], p: list[float], node: int, rule: str):
+    """Exact outcomes at one node: (probability, accepted child or None, bonus token or None).
+
+    correct:            accept child x w.p. p(x) / (1 - rejected mass); bonus from p minus rejected, renormalised
+    no_renorm_accept:   accept child x w.p. p(x) (the division by the mass left is forgotten)
+    no_renorm_residual: correct acceptance, but the bonus is drawn from the full p (rejected tokens not removed)
+    """
+    kids = [c for c in range(len(parents)) if parents[c] == node]
+    out, reach, rejected_mass, rejected = [], 1.0, 0.0, []
+    for c in kids:
+        if tokens[c] in rejected:
+            continue
+        pc, left = p[tokens[c]], 1.0 - rejected_mass
+        a = pc if rule == "no_renorm_accept" else (pc / left if left > 0 else 0.0)
+        a = min(max(a, 0.0), 1.0)
+        out.append((reach * a, c, None))
+        reach *= 1.0 - a
+        rejected.append(tokens[c])
+        rejected_mass += pc
+    row = list(p)
+    if rule != "no_renorm_residual":
+        for t in rejected:
+            row[t] = 0.0
+    if sum(row) <= 0:
+        row = list(p)
+    total = sum(row)
+    out += [(reach * r / total, None, y) for y, r in enumerate(row) if r > 0]
+    return out
+
+
+def acceptance_law(parents: list[int], tokens: list[int], probs, rule: str = "correct", max_tokens: int | None = None) -> dict:
+    """Exact law of the tokens one cycle emits under `rule` (accepted path tokens + bonus),
+    truncated to the first `max_tokens`; keys are token tuples, values probabilities."""
+    rows = [[float(v) for v in r] for r in probs]
+    law: dict[tuple[int, ...], float] = {}
+
+    def walk(node, prefix, pr):
+        if max_tokens is not None and len(prefix) >= max_tokens:
+            law[prefix] = law.get(prefix, 0.0) + pr
+            return
+        for q, child, bonus in _node_outcomes(parents, tokens, rows[node], node, rule):
+            if q <= 0:
+                continue
+            if child is not None:
+                walk(child, prefix + (tokens[child],), pr * q)
+            else:
+                key = (prefix + (bonus,))[: max_tokens] if max_tokens else prefix + (bonus,)
+                law[key] = law.get(key, 0.0) + pr * q
+    walk(0, (), 1.0)
+    return law
+
+
+def broken_accept_sampling(rule: str):
+    """A sampling acceptance function implementing `rule` (same signature as accept_sampling)."""
+    def accept(tree, probs, generator=None):
+        parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+        node, path = 0, [0]
+        while True:
+            outcomes = _node_outcomes(parents, tokens, probs[node].double().tolist(), node, rule)
+            i = int(torch.multinomial(torch.tensor([max(q, 0.0) for q, _, _ in outcomes], dtype=torch.float64), 1, generator=generator))
+            _, child, bonus = outcomes[i]
+            if child is None:
+                return path, bonus
+            path.append(child)
+            node = child
+    return accept
+
+
+def pooled_chisquare(counts: dict, law: dict, n: int, min_expected: float = 5.0):
+    """Pearson chi-square of observed counts against an exact law, cells with expected < 5 pooled.
+
+    Returns (statistic, dof, p-value, bins) where bins lists the cell groups used, so the same
+    binning can be reused for a power calculation. Observations outside the law's support raise.
+    """
+    from scipy import stats
+
+    outside = {k: c for k, c in counts.items() if law.get(k, 0.0) <= 0}
+    if outside:
+        raise AssertionError(f"observed outcomes of probability zero: {outside}")
+    keys = sorted(k for k in law if law[k] > 0)
+    big = [k for k in keys if n * law[k] >= min_expected]
+    small = [k for k in keys if n * law[k] < min_expected]
+    bins = [[k] for k in big] + ([small] if small else [])
+    if len(bins) > 1 and sum(n * law[k] for k in bins[-1]) < min_expected and small:
+        bins[-2] = bins[-2] + bins[-1]  # the pooled tail is still small: merge it into the last big cell
+        bins.pop()
+    obs = [sum(counts.get(k, 0) for k in b) for b in bins]
+    exp = [n * sum(law[k] for k in b) for b in bins]
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    dof = len(bins) - 1
+    return stat, dof, float(stats.chi2.sf(stat, dof)), bins
+
+
+def chisquare_power(law0: dict, law1: dict, bins, n: int, alpha: float) -> float:
+    """Power of the level-`alpha` Pearson test (binned as `bins`) against samples from `law1`,
+    from the noncentral chi-square with noncentrality n * sum((p1 - p0)^2 / p0)."""
+    from scipy import stats
+
+    p0 = [sum(law0.get(k, 0.0) for k in b) for b in bins]
+    p1 = [sum(law1.get(k, 0.0) for k in b) for b in bins]
+    outside = 1.0 - sum(p1)  # mass law1 puts where law0 has none: the test fails outright there
+    lam = n * sum((b - a) ** 2 / a for a, b in zip(p0, p1))
+    dof = len(bins) - 1
+    crit = stats.chi2.ppf(1 - alpha, dof)
+    power = float(stats.ncx2.sf(crit, dof, lam)) if lam > 0 else alpha
+    return 1.0 - (1.0 - power) * (1.0 - outside) ** n if outside > 1e-12 else power

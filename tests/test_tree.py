@@ -1,0 +1,319 @@
+"""Draft-tree construction: the pure functions of `eagle2_core.tree`, checked against brute force.
+
+No model is involved except in the last section, where a random draft head (no target) checks
+that the `Drafter` builds the tree it claims: every node's children are the head's top-ranked
+tokens at that node, recomputed without any KV cache or tree mask.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from eagle2_core.tree import (causal_attention_bias, chain_choices, choices_to_levels, rerank, select_expansion,
+                              static_choices, tree_attention_bias, tree_from_parents)
+
+NEG = torch.finfo(torch.float32).min
+
+
+def random_parents(n: int, rng: random.Random) -> torch.Tensor:
+    return torch.tensor([-1] + [rng.randrange(i) for i in range(1, n)])
+
+
+def chain_of(parents: list[int], i: int) -> list[int]:
+    out = [i]
+    while parents[out[-1]] >= 0:
+        out.append(parents[out[-1]])
+    return out
+
+
+# -- tree_from_parents ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(40))
+def test_ancestors_and_depth_match_brute_force(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 30)
+    parents = random_parents(n, rng)
+    tokens = torch.tensor([rng.randrange(50) for _ in range(n)])
+    tree = tree_from_parents(tokens, parents)
+    p = parents.tolist()
+    assert tree.size == n and torch.equal(tree.tokens, tokens) and torch.equal(tree.parents, parents)
+    for i in range(n):
+        anc = set(chain_of(p, i))
+        assert {j for j in range(n) if tree.ancestors[i, j]} == anc
+        assert int(tree.depth[i]) == len(anc) - 1
+        if i:
+            assert p[i] < i  # parents before children
+            assert int(tree.depth[i]) == int(tree.depth[p[i]]) + 1
+    # depth is the position offset of each node: the number of strict ancestors
+    assert torch.equal(tree.depth, tree.ancestors.sum(1) - 1)
+
+
+def test_single_node_and_deep_chain():
+    root = tree_from_parents(torch.tensor([7]), torch.tensor([-1]))
+    assert root.size == 1 and root.depth.tolist() == [0] and root.ancestors.tolist() == [[True]]
+    n = 25
+    chain = tree_from_parents(torch.arange(n), torch.arange(-1, n - 1))
+    assert chain.depth.tolist() == list(range(n))
+    assert torch.equal(chain.ancestors, torch.tril(torch.ones(n, n, dtype=torch.bool)))
+
+
+# -- EAGLE-2 expansion and rerank ---------------------------------------------------------------
+
+def random_pool(rng: random.Random, k: int, depth: int, vocab: int = 20, tie_prob: float = 0.0):
+    """A drafting pool like the drafter's: depth by depth, k children for each of the k best nodes.
+
+    Tokens are unique per pool entry (token = 1000 + pool index) so kept nodes can be identified.
+    Child score = parent score + log q(child) <= parent score; with `tie_prob` some children get
+    log q = 0 exactly, i.e. the same score as their parent.
+    """
+    parents, scores, depths = [], [], []
+    front = [(-1, 0.0)]
+    for d in range(1, depth + 1):
+        level = []
+        for par, ps in front:
+            logq = sorted((math.log(rng.random() + 1e-9) for _ in range(k)), reverse=True)
+            for lq in logq:
+                if rng.random() < tie_prob:
+                    lq = 0.0
+                level.append(len(parents))
+                parents.append(par)
+                scores.append(ps + lq)
+                depths.append(d)
+        best = sorted(level, key=lambda i: -scores[i])[:k]
+        front = [(i, scores[i]) for i in best]
+    n = len(parents)
+    return (torch.arange(n) + 1000, torch.tensor(parents), torch.tensor(scores, dtype=torch.float32), depths)
+
+
+def closed_subsets_best_sum(parents: list[int], scores: list[float], size: int) -> float:
+    best = -math.inf
+    for sub in itertools.combinations(range(len(parents)), size):
+        s = set(sub)
+        if all(parents[i] < 0 or parents[i] in s for i in sub):
+            best = max(best, sum(scores[i] for i in sub))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_rerank_keeps_highest_path_scores(seed):
+    rng = random.Random(seed)
+    k, depth = rng.randint(1, 4), rng.randint(1, 4)
+    tokens, parents, scores, depths = random_pool(rng, k, depth, tie_prob=0.2 if seed % 3 == 0 else 0.0)
+    n = tokens.numel()
+    budget = rng.randint(0, n + 2)
+    tree = rerank(tokens, parents, scores, torch.tensor(5), budget)
+    kept_budget = min(budget, n)
+    assert tree.size == kept_budget + 1
+    assert tree.tokens[0] == 5 and tree.parents[0] == -1
+    kept = [int(t) - 1000 for t in tree.tokens[1:]]
+    assert len(set(kept)) == kept_budget
+    # the kept scores are the top-`budget` path scores of the whole pool
+    assert sorted(scores[kept].tolist(), reverse=True) == pytest.approx(sorted(scores.tolist(), reverse=True)[:kept_budget])
+    # the kept set is a tree: parents before children, each node's tree parent is its pool parent
+    tp = tree.parents.tolist()
+    for i, pool_i in enumerate(kept, start=1):
+        assert 0 <= tp[i] < i
+        pool_parent = int(parents[pool_i])
+        assert (tp[i] == 0) if pool_parent < 0 else (kept[tp[i] - 1] == pool_parent)
+        assert int(tree.depth[i]) == depths[pool_i]
+    # brute force: no ancestry-closed set of the same size has a higher total score
+    if n <= 14:
+        assert sum(scores[kept].tolist()) == pytest.approx(closed_subsets_best_sum(parents.tolist(), scores.tolist(), kept_budget))
+
+
+def test_rerank_ties_keep_parents():
+    """Children with the parent's exact score (draft confidence 1): a cut inside the tie group
+    must never keep a child without its parent."""
+    #           a    b    a1   a2   b1   a1x
+    parents = torch.tensor([-1, -1, 0, 0, 1, 2])
+    scores = torch.tensor([-1.0, -1.0, -1.0, -1.0, -1.0, -1.0])
+    tokens = torch.arange(6) + 1000
+    for budget in range(7):
+        tree = rerank(tokens, parents, scores, torch.tensor(0), budget)
+        kept = {int(t) - 1000 for t in tree.tokens[1:]}
+        assert len(kept) == budget
+        assert all(int(parents[i]) < 0 or int(parents[i]) in kept for i in kept), (budget, kept)
+        assert kept == set(range(budget))  # ties go to the earlier (shallower) pool entry
+    # a child tied with its parent above a better-scored sibling subtree
+    parents = torch.tensor([-1, -1, 0, 2])
+    scores = torch.tensor([-0.5, -2.0, -0.5, -0.5])
+    tree = rerank(torch.arange(4) + 1000, parents, scores, torch.tensor(0), 3)
+    assert [int(t) - 1000 for t in tree.tokens[1:]] == [0, 2, 3] and tree.parents.tolist() == [-1, 0, 1, 2]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_select_expansion_is_top_k(seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(int(torch.randint(1, 30, (1,), generator=g)), generator=g)
+    for k in (1, 3, 100):
+        idx = select_expansion(x, k)
+        assert idx.numel() == min(k, x.numel())
+        assert sorted(x[idx].tolist(), reverse=True) == sorted(x.tolist(), reverse=True)[: idx.numel()]
+        assert x[idx].tolist() == sorted(x[idx].tolist(), reverse=True)  # best first
+
+
+# -- static trees and chains ----------------------------------------------------------------------
+
+def prior(path, top_k, decay=0.45):
+    return sum(math.log(1 - decay) + r * math.log(decay) for r in path) + (len(path) - 1) * math.log(0.7)
+
+
+@pytest.mark.parametrize("total,depth,top_k", [(2, 1, 1), (5, 4, 1), (8, 3, 2), (12, 4, 3), (24, 5, 6), (60, 6, 10), (40, 2, 3), (100, 3, 2)])
+def test_static_choices_shape(total, depth, top_k):
+    ch = static_choices(total, depth, top_k)
+    n_every = sum(top_k ** d for d in range(1, depth + 1))
+    assert len(ch) == min(total - 1, n_every)
+    assert len(set(ch)) == len(ch)
+    assert ch == sorted(ch, key=lambda p: (len(p), p))
+    for p in ch:
+        assert 1 <= len(p) <= depth and all(0 <= r < top_k for r in p)
+        assert len(p) == 1 or p[:-1] in ch  # closed under prefixes: a tree
+    # the chosen paths have the highest prior scores of all candidate paths (ties in any order).
+    # Brute force over every path scoring at least the lowest chosen one (a path's prior only
+    # drops as it grows, so the search prunes there without missing any).
+    floor = min(prior(p, top_k) for p in ch) - 1e-9
+    every, stack = [], [()]
+    while stack:
+        base = stack.pop()
+        for r in range(top_k):
+            p = base + (r,)
+            if len(p) <= depth and prior(p, top_k) >= floor:
+                every.append(p)
+                stack.append(p)
+    assert set(ch) <= set(every)
+    best = sorted((prior(p, top_k) for p in every), reverse=True)[: len(ch)]
+    assert sorted((prior(p, top_k) for p in ch), reverse=True) == pytest.approx(best)
+    levels = choices_to_levels(ch)
+    assert [len(lv) for lv in levels] == [sum(len(p) == d for p in ch) for d in range(1, len(levels) + 1)]
+    for d, lv in enumerate(levels, start=1):
+        paths = [p for p in ch if len(p) == d]
+        for (parent, rank), p in zip(lv, paths):
+            assert rank == p[-1]
+            assert parent == (-1 if d == 1 else ch.index(p[:-1]))
+
+
+def test_chain_choices_and_orphans():
+    assert chain_choices(1) == [(0,)]
+    assert chain_choices(4) == [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]
+    assert choices_to_levels(chain_choices(3)) == [[(-1, 0)], [(0, 0)], [(1, 0)]]
+    with pytest.raises(ValueError, match="no parent path"):
+        choices_to_levels([(0,), (1, 0)])
+
+
+# -- attention masks ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(25))
+def test_tree_attention_bias_brute_force(seed):
+    rng = random.Random(seed)
+    n, past = rng.randint(1, 16), rng.choice([0, 1, 3, 9])
+    window = rng.choice([None, 1, 2, 4, 7])
+    tree = tree_from_parents(torch.zeros(n, dtype=torch.long), random_parents(n, rng))
+    bias = tree_attention_bias(tree, past, torch.float32, window)
+    assert bias.shape == (1, 1, n, past + n) and bias.dtype == torch.float32
+    p = tree.parents.tolist()
+    for i in range(n):
+        q = past + len(chain_of(p, i)) - 1  # absolute position of node i
+        anc = set(chain_of(p, i))
+        for j in range(past + n):
+            k_pos = j if j < past else past + len(chain_of(p, j - past)) - 1
+            ok = (j < past) or (j - past in anc)
+            if window is not None:
+                ok = ok and k_pos > q - window
+            assert float(bias[0, 0, i, j]) == (0.0 if ok else NEG), (i, j, q, k_pos, window)
+    # every row can see at least itself, so attention never sees an all-masked row
+    assert (bias[0, 0] == 0).any(dim=1).all()
+
+
+@pytest.mark.parametrize("window", [None, 1, 3])
+def test_chain_tree_mask_is_causal_mask(window):
+    for n, past in [(1, 0), (5, 0), (4, 6), (7, 2)]:
+        chain = tree_from_parents(torch.zeros(n, dtype=torch.long), torch.arange(-1, n - 1))
+        assert torch.equal(tree_attention_bias(chain, past, torch.float32, window),
+                           causal_attention_bias(n, past, torch.float32, "cpu", window))
+
+
+def test_causal_attention_bias_brute_force():
+    for q_len, past, window in [(1, 0, None), (5, 0, None), (3, 4, None), (6, 2, 3), (1, 9, 2)]:
+        b = causal_attention_bias(q_len, past, torch.bfloat16, "cpu", window)
+        assert b.shape == (1, 1, q_len, past + q_len)
+        for i in range(q_len):
+            for j in range(past + q_len):
+                ok = j <= past + i and (window is None or j > past + i - window)
+                assert float(b[0, 0, i, j]) == (0.0 if ok else float(torch.finfo(torch.bfloat16).min))
+
+
+# -- the drafter builds the tree it claims ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def random_head(tiny_lm):
+    from eagle2_core.head import DraftHead, HeadSpec
+
+    model = tiny_lm("llama", vocab_size=16, max_position_embeddings=64)
+    torch.manual_seed(3)
+    return DraftHead(HeadSpec.for_target(model.config)).bind(model)
+
+
+def brute_logp(head, ctx_tokens, ctx_feats, path_tokens):
+    """Head log-probs after the context pairs and a tree path, recomputed with no cache/tree mask.
+
+    The pair fed for a drafted token is (draft hidden state of its parent, token), one position
+    after its parent, exactly the EAGLE recurrence; run causally from scratch every time.
+    """
+    toks, feats = list(ctx_tokens), [f for f in ctx_feats]
+    for t in [None] + list(path_tokens):
+        if t is not None:
+            toks.append(t)
+            feats.append(h_last)
+        n = len(toks)
+        h = head(torch.tensor([toks]), torch.stack(feats)[None], torch.arange(n)[None],
+                 attention_mask=causal_attention_bias(n, 0, torch.float32, "cpu"))[0]
+        h_last = h[-1]
+    return torch.log_softmax(head.draft_logits(h_last[None]).float(), -1)[0]
+
+
+@pytest.mark.parametrize("shape", ["dynamic", "static", "chain"])
+def test_drafter_children_are_head_top_ranks(random_head, shape):
+    from eagle2_core.drafter import Drafter, TreeSettings
+
+    head = random_head
+    settings = TreeSettings(shape=shape, total_tokens=10 if shape != "chain" else 4, depth=3, top_k=3)
+    drafter = Drafter(head, settings, capacity=4)  # tiny capacity: the head cache must grow
+    g = torch.Generator().manual_seed(0)
+    hidden = head.spec.hidden_size
+    ctx_t, ctx_f = [], []
+    for cycle, n_new in enumerate([5, 2, 1]):  # absorb context over three cycles, as decoding does
+        new_t = torch.randint(0, 16, (n_new,), generator=g)
+        new_f = torch.randn(n_new, hidden, generator=g)
+        root = new_t[-1]
+        tree = drafter.draft(new_t, new_f, len(ctx_t), root)
+        ctx_t += new_t.tolist()
+        ctx_f += list(new_f)
+        assert drafter.cache.length == len(ctx_t)  # tree tokens dropped from the head cache
+        assert tree.tokens[0] == root and tree.size <= settings.total_tokens
+        assert int(tree.depth.max()) <= settings.depth
+        if shape == "dynamic":
+            assert tree.size == settings.total_tokens
+        if shape == "chain":
+            assert tree.parents.tolist() == [-1, 0, 1, 2]
+        p, toks = tree.parents.tolist(), tree.tokens.tolist()
+        kids = [[c for c in range(1, tree.size) if p[c] == i] for i in range(tree.size)]
+        for i in range(tree.size):
+            if not kids[i]:
+                continue
+            path = [toks[j] for j in reversed(chain_of(p, i)[:-1])]
+            ranked = torch.topk(brute_logp(head, ctx_t, ctx_f, path), 16).indices.tolist()
+            got = [toks[c] for c in kids[i]]
+            if shape == "dynamic":
+                assert got == ranked[: len(got)], (cycle, i, got, ranked)  # a prefix of the ranking
+            else:
+                # static/chain nodes follow the choices list in order; a child's rank is its path's last entry
+                choices = static_choices(10, 3, 3) if shape == "static" else chain_choices(3)
+                assert got == [ranked[choices[c - 1][-1]] for c in kids[i]], (cycle, i)
+        if shape != "dynamic":
+            choices = static_choices(10, 3, 3) if shape == "static" else chain_choices(3)
+            assert tree.size == len(choices) + 1
+            assert p == [-1] + [0 if len(c) == 1 else choices.index(c[:-1]) + 1 for c in choices]
