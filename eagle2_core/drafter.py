@@ -133,7 +133,7 @@ class Drafter:
             # Ablation: the tree is just the nodes chosen during expansion, shallowest first.
             pool_scores = torch.where(torch.cat(pool_expanded), -torch.arange(pool_size, device=ids.device, dtype=torch.float), float("-inf"))
             budget = min(budget, int(torch.cat(pool_expanded).sum()))
-        return rerank(pool_tokens, pool_parents, pool_scores, root, budget)
+        return rerank(pool_tokens, pool_parents, pool_scores, root, budget, max_depth=depth)
 
     def _static(self, h, logp, pos, ctx, root, budget, depth) -> DraftTree:
         """EAGLE-1 static tree or a chain: the same sibling ranks every cycle."""
@@ -173,4 +173,4 @@ class Drafter:
             visible = eye if visible is None else torch.cat([visible[parent_rows], eye], dim=1)
             hidden, lp = self._step(tokens, hidden[parent_rows] if d == 0 else hidden[parent_rows], pos + d, visible, ctx)
             prev_paths = paths
-        return tree_from_parents(torch.cat(all_tokens), torch.cat(all_parents))
+        return tree_from_parents(torch.cat(all_tokens), torch.cat(all_parents), max_depth=depth)

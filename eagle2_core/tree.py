@@ -38,22 +38,25 @@ class DraftTree:
         return DraftTree(*(t.to(device) for t in (self.tokens, self.parents, self.depth, self.ancestors)))
 
 
-def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor) -> DraftTree:
-    """Depths and the ancestor mask from a parent vector (parents before children)."""
+def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, max_depth: int | None = None) -> DraftTree:
+    """Depths and the ancestor mask from a parent vector (parents before children).
+
+    Each pass pushes ancestry down one level, so a tree of depth D needs D passes: a loop over
+    depth levels, never over nodes. Given `max_depth` (the drafter knows it) the passes run
+    without checking for convergence, i.e. without a host sync.
+    """
     n = tokens.shape[0]
     device = tokens.device
     ancestors = torch.eye(n, dtype=torch.bool, device=device)
     depth = torch.zeros(n, dtype=torch.long, device=device)
     if n > 1:
         p = parents[1:]
-        # Each pass pushes ancestry down by one level; a tree of depth D needs D passes.
-        # The loop is over depth levels, never over nodes.
-        for _ in range(n - 1):
+        for _ in range(max_depth if max_depth is not None else n - 1):
             new_anc = ancestors.clone()
             new_anc[1:] |= ancestors[p]
             new_depth = depth.clone()
             new_depth[1:] = depth[p] + 1
-            if torch.equal(new_anc, ancestors) and torch.equal(new_depth, depth):
+            if max_depth is None and torch.equal(new_anc, ancestors) and torch.equal(new_depth, depth):
                 break
             ancestors, depth = new_anc, new_depth
     return DraftTree(tokens=tokens, parents=parents, depth=depth, ancestors=ancestors)
@@ -75,6 +78,7 @@ def rerank(
     pool_scores: torch.Tensor,
     root_token: torch.Tensor,
     budget: int,
+    max_depth: int | None = None,
 ) -> DraftTree:
     """EAGLE-2 rerank (section 4.2): keep the `budget` drafted nodes with the highest path scores.
 
@@ -93,7 +97,7 @@ def rerank(
     parents = remap[pool_parents[keep] + 1]
     tokens = torch.cat([root_token.view(1), pool_tokens[keep]])
     parents = torch.cat([torch.tensor([-1], device=parents.device), parents])
-    return tree_from_parents(tokens, parents)
+    return tree_from_parents(tokens, parents, max_depth)
 
 
 def static_choices(total_tokens: int, depth: int, top_k: int, decay: float = 0.45) -> list[tuple[int, ...]]:

@@ -59,11 +59,19 @@ def build_draft_vocab(seqs: list[dict], size: int, always: set[int] = frozenset(
     for s in seqs:
         counts.update(s["top_ids"][:, 0].tolist())
         counts.update(s["input_ids"].tolist())
-    ids = [t for t, _ in counts.most_common(size)]
-    for t in always:
-        if t not in ids:
+    chosen = [t for t in always] + [t for t, _ in counts.most_common(size)]
+    # Tokens never seen in the data fill the rest in id order: BPE vocabularies number their
+    # tokens roughly by merge frequency, so low ids are the likelier ones.
+    chosen += range(vocab_size or size)
+    ids: list[int] = []
+    seen: set[int] = set()
+    for t in chosen:
+        if t not in seen:
+            seen.add(t)
             ids.append(t)
-    return torch.tensor(sorted(ids[: max(size, len(always))]), dtype=torch.long)
+            if len(ids) == size:
+                break
+    return torch.tensor(sorted(ids), dtype=torch.long)
 
 
 def make_batches(seqs: list[dict], batch_tokens: int, max_len: int, rng: random.Random) -> list[list[int]]:
