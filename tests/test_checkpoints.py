@@ -181,6 +181,27 @@ def test_unsupported_or_incomplete_heads(tmp_path, target):
         load_head_folder(str(empty), target)
 
 
+def test_published_layout_fc_input_is_embedding_then_feature(tmp_path, target):
+    """Known-answer check of the layer wiring the published weights assume (EAGLE cnets.py:
+    fc(cat(embed(token), feature)), layer 0 without input norm, no final norm): with
+    fc.weight = [I | 0] and the attention/MLP output projections zeroed, the head must return
+    embed(token) exactly; with fc.weight = [0 | I] it must return the feature."""
+    folder = str(tmp_path / "known")
+    sd = write_published_head(folder, "safetensors", embed=False)
+    eye, zero = torch.eye(HIDDEN), torch.zeros(HIDDEN, HIDDEN)
+    sd["layers.0.self_attn.o_proj.weight"] = torch.zeros(HIDDEN, HIDDEN)
+    sd["layers.0.mlp.down_proj.weight"] = torch.zeros(HIDDEN, INTER)
+    ids = torch.tensor([[3, 1, 4]])
+    feats = torch.randn(1, 3, HIDDEN) * 5
+    for fc, expect in ((torch.cat([eye, zero], 1), target.get_input_embeddings()(ids)), (torch.cat([zero, eye], 1), feats)):
+        sd["fc.weight"] = fc
+        save_file({k: v.float() for k, v in sd.items()}, os.path.join(folder, "model.safetensors"))
+        head = load_head_folder(folder, target)
+        with torch.no_grad():
+            out = head(ids, feats, torch.arange(3)[None])
+        torch.testing.assert_close(out, expect, rtol=1e-5, atol=1e-5)
+
+
 # -- round trip -------------------------------------------------------------------------------
 
 def test_save_load_round_trip_identical_tensors_and_decoding(tmp_path, target, fitted_head):

@@ -87,7 +87,17 @@ def check_summary(s: Summary, out: list[int], case: dict) -> None:
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_greedy_identity(arch_env, shape):
+def test_greedy_identity(arch_env, shape, monkeypatch):
+    from eagle2_core.target import TargetRunner
+
+    max_pos = []  # no position at or beyond max_position_embeddings is ever computed (learned
+    real_forward = TargetRunner.forward  # absolute-position models would index out of range)
+
+    def forward(self, tokens, positions, mask, cache):
+        max_pos.append(int(positions.max()))
+        return real_forward(self, tokens, positions, mask, cache)
+
+    monkeypatch.setattr(TargetRunner, "forward", forward)
     dec = Eagle2Decoder(arch_env["model"], arch_env["head"], tree=SHAPES[shape])
     hist: list[int] = []
     cut_cycles = 0  # cycles whose emitted tokens were cut short by EOS
@@ -113,6 +123,7 @@ def test_greedy_identity(arch_env, shape):
     print(f"\n[identity] {arch_env['arch']:8s} {shape:8s} {len(arch_env['cases']) - len(mismatches)}/{len(arch_env['cases'])} "
           f"identical {kinds} accepted_hist={hist} eos_cut_cycles={cut_cycles}")
     assert not mismatches, mismatches[:3]
+    assert max(max_pos) == MAXPOS - 1  # reached (the full-context prompt), never exceeded
     assert sum(hist[2:]) > 0, f"no cycle accepted >= 2 draft tokens: {hist}"
     assert hist[0] > 0, f"no cycle rejected every draft token: {hist}"
 

@@ -180,3 +180,34 @@ def test_broken_rule_is_rejected(env, rule, monkeypatch):
     # and the broken run is consistent with the broken rule's own exact law (the harness is sound)
     stat_b, dof_b, pval_b, _ = pooled_chisquare(counts, laws[rule], N_SAMPLES)
     assert pval_b > ALPHA, (stat_b, dof_b, pval_b)
+
+
+def manual_processed_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Independent reference for generate's sampling distribution: temperature, then top-k, then
+    top-p (keep a token while the mass of strictly more probable kept tokens is < top_p)."""
+    x = logits.double() / temperature
+    if top_k:
+        kth = torch.topk(x, min(top_k, x.shape[-1]), dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    p = torch.softmax(x, -1)
+    if top_p < 1.0:
+        sp, idx = torch.sort(p, descending=True, dim=-1)
+        before = torch.cumsum(sp, -1) - sp
+        keep_sorted = before < top_p
+        keep_sorted[..., 0] = True
+        keep = torch.zeros_like(keep_sorted).scatter(-1, idx, keep_sorted)
+        p = torch.where(keep, p, torch.zeros_like(p))
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 3, 1.0), (1.0, 0, 0.8),
+                                                     (0.8, 3, 0.9), (0.5, 10, 0.5), (2.0, 1, 1.0), (1.0, 60, 0.95)])
+def test_target_distribution_matches_independent_reference(temperature, top_k, top_p):
+    """The exact law above is built with the engine's own warpers, so check those separately."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(40, 50, generator=g) * 3
+    gen = GenerationSettings(temperature=temperature, top_k=top_k, top_p=top_p)
+    got = target_probs(logits, make_warpers(gen))
+    torch.testing.assert_close(got.double(), manual_processed_probs(logits, temperature, top_k, top_p), rtol=1e-5, atol=1e-6)
+    assert make_warpers(GenerationSettings(temperature=0.0)) is None

@@ -254,9 +254,15 @@ def random_head(tiny_lm):
 
     model = tiny_lm("llama", vocab_size=16, max_position_embeddings=64)
     torch.manual_seed(3)
-    return DraftHead(HeadSpec.for_target(model.config)).bind(model)
+    head = DraftHead(HeadSpec.for_target(model.config)).bind(model)
+    with torch.no_grad():  # sharpen: peaked attention makes positions and masks matter to the ranking
+        for name, w in head.named_parameters():
+            if name.endswith("proj.weight") or name.startswith("fc."):
+                w.mul_(3.0)
+    return head
 
 
+@torch.no_grad()
 def brute_logp(head, ctx_tokens, ctx_feats, path_tokens):
     """Head log-probs after the context pairs and a tree path, recomputed with no cache/tree mask.
 
@@ -276,9 +282,20 @@ def brute_logp(head, ctx_tokens, ctx_feats, path_tokens):
 
 
 @pytest.mark.parametrize("shape", ["dynamic", "static", "chain"])
-def test_drafter_children_are_head_top_ranks(random_head, shape):
+def test_drafter_children_are_head_top_ranks(random_head, shape, monkeypatch):
+    """Children of every node are the head's top-ranked tokens there (dynamic: a prefix of the
+    ranking; static/chain: the ranks the shape names), and for dynamic trees every candidate's
+    path score handed to rerank equals the brute-force sum of log-probs along its path."""
+    import eagle2_core.drafter as drafter_mod
     from eagle2_core.drafter import Drafter, TreeSettings
 
+    pools = []
+
+    def spy_rerank(pool_tokens, pool_parents, pool_scores, *args, **kw):
+        pools.append((pool_tokens.tolist(), pool_parents.tolist(), pool_scores.tolist()))
+        return rerank(pool_tokens, pool_parents, pool_scores, *args, **kw)
+
+    monkeypatch.setattr(drafter_mod, "rerank", spy_rerank)
     head = random_head
     settings = TreeSettings(shape=shape, total_tokens=10 if shape != "chain" else 4, depth=3, top_k=3)
     drafter = Drafter(head, settings, capacity=4)  # tiny capacity: the head cache must grow
@@ -313,7 +330,23 @@ def test_drafter_children_are_head_top_ranks(random_head, shape):
                 # static/chain nodes follow the choices list in order; a child's rank is its path's last entry
                 choices = static_choices(10, 3, 3) if shape == "static" else chain_choices(3)
                 assert got == [ranked[choices[c - 1][-1]] for c in kids[i]], (cycle, i)
-        if shape != "dynamic":
+        if shape == "dynamic":
+            ptoks, ppar, pscores = pools[-1]
+            assert len(ptoks) == 3 + 9 + 9  # k first-level candidates, then k x k per expanded level
+            memo = {}
+            for j in range(len(ptoks)):
+                chain = [j]
+                while ppar[chain[-1]] >= 0:
+                    chain.append(ppar[chain[-1]])
+                path_toks = [ptoks[c] for c in reversed(chain)]
+                brute = 0.0
+                for d in range(len(path_toks)):
+                    key = tuple(path_toks[:d])
+                    if key not in memo:
+                        memo[key] = brute_logp(head, ctx_t, ctx_f, list(key))
+                    brute += float(memo[key][path_toks[d]])
+                assert pscores[j] == pytest.approx(brute, rel=1e-4, abs=1e-3), (cycle, j, path_toks)
+        else:
             choices = static_choices(10, 3, 3) if shape == "static" else chain_choices(3)
             assert tree.size == len(choices) + 1
             assert p == [-1] + [0 if len(c) == 1 else choices.index(c[:-1]) + 1 for c in choices]
