@@ -162,7 +162,13 @@ def load_target(name: str | None = None, dtype: str = "auto", device: str = "aut
             if load_in_8bit or load_in_4bit:
                 from transformers import BitsAndBytesConfig
 
-                kw["quantization_config"] = BitsAndBytesConfig(load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit)
+                # LLM.int8's outlier decomposition (threshold 6.0) is batch-dependent: a column
+                # runs in fp16 when any row of the batch exceeds it, so verifying a tree and
+                # decoding one token would see different numerics and greedy output could differ.
+                # Threshold 0 quantizes every column per row: batch-invariant, hence lossless
+                # against the same 8-bit model's own generate.
+                kw["quantization_config"] = BitsAndBytesConfig(load_in_8bit=load_in_8bit, load_in_4bit=load_in_4bit,
+                                                               llm_int8_threshold=0.0)
                 kw["device_map"] = device_map or ({"": dev} if dev != "cpu" else {"": "cpu"})
             elif device_map:
                 kw["device_map"] = device_map
