@@ -13,7 +13,7 @@ import torch
 
 from .accept import accept_greedy, accept_sampling
 from .drafter import Drafter, TreeSettings
-from .events import GenerationSettings, StepEvent, Summary, StopChecker
+from .events import GenerationSettings, StepEvent, StopChecker, Summary, collect
 from .head import DraftHead
 from .kvcache import TreeKVCache, num_cache_layers
 from .sampling import make_warpers, target_probs
@@ -100,9 +100,4 @@ class Eagle2Decoder:
         return torch.multinomial(probs.float().cpu(), 1, generator=rng).flatten().tolist()
 
     def generate(self, prompt_ids, gen: GenerationSettings | None = None) -> tuple[list[int], Summary]:
-        out: list[int] = []
-        for ev in self.stream(prompt_ids, gen):
-            if isinstance(ev, Summary):
-                return out, ev
-            out.extend(ev.token_ids)
-        raise RuntimeError("decoder stream ended without a summary")
+        return collect(self.stream(prompt_ids, gen))

@@ -102,6 +102,16 @@ class Summary:
         }
 
 
+def collect(stream) -> tuple[list[int], "Summary"]:
+    """Run a decoder's event stream to the end: (all emitted tokens, the summary)."""
+    out: list[int] = []
+    for ev in stream:
+        if isinstance(ev, Summary):
+            return out, ev
+        out.extend(ev.token_ids)
+    raise RuntimeError("decoder stream ended without a summary")
+
+
 class StopChecker:
     """Applies EOS ids, stop strings, max_new_tokens and the context limit to emitted tokens."""
 

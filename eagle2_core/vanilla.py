@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .events import GenerationSettings, StepEvent, StopChecker, Summary
+from .events import GenerationSettings, StepEvent, StopChecker, Summary, collect
 from .target import model_eos_ids
 
 
@@ -51,9 +51,4 @@ class VanillaDecoder:
         yield summary
 
     def generate(self, prompt_ids, gen: GenerationSettings | None = None) -> tuple[list[int], Summary]:
-        out: list[int] = []
-        for ev in self.stream(prompt_ids, gen):
-            if isinstance(ev, Summary):
-                return out, ev
-            out.extend(ev.token_ids)
-        raise RuntimeError("vanilla stream ended without a summary")
+        return collect(self.stream(prompt_ids, gen))

@@ -42,7 +42,7 @@ class TrainJob:
 
 
 def _stage(log, name):
-    log(f"[stage] {name}")
+    log(f"== {name}")
 
 
 def held_out_eval(target_model, tokenizer, prompts: list[list[int]], max_new_tokens: int, tree: TreeSettings | None = None) -> Callable:
