@@ -66,6 +66,8 @@ def train(model, data, output, work_dir, resume, self_distill, distill_prompts, 
             tasks[stage] = progress.add_task(stage, total=total, info="")
         info = " ".join(f"{k}={v:.3f}" for k, v in stats.items() if isinstance(v, float))
         progress.update(tasks[stage], completed=done, total=total, info=info)
+        if not console.is_terminal and (done % 50 == 0 or done == total):  # a log file gets plain lines
+            console.print(f"{stage} {done}/{total} {info}", markup=False)
 
     try:
         with progress:
