@@ -174,6 +174,6 @@ class Drafter:
                 break
             eye = torch.eye(len(level), dtype=torch.bool, device=dev)
             visible = eye if visible is None else torch.cat([visible[parent_rows], eye], dim=1)
-            hidden, lp = self._step(tokens, hidden[parent_rows] if d == 0 else hidden[parent_rows], pos + d, visible, ctx)
+            hidden, lp = self._step(tokens, hidden[parent_rows], pos + d, visible, ctx)
             prev_paths = paths
         return tree_from_parents(torch.cat(all_tokens), torch.cat(all_parents), max_depth=depth)
