@@ -53,9 +53,9 @@ class Eagle2Decoder:
         while not stop.done:
             t1 = time.perf_counter()
             past = cache.length  # committed tokens; the root sits at position `past`
-            room = run.max_positions - past - 2  # root + accepted + bonus must fit the context
+            # remaining counts both max_new_tokens and the context limit; the bonus token needs one.
             tree = drafter.draft(new_tokens, new_features, start_pos, torch.tensor(root, device=dev),
-                                 budget=self.tree.total_tokens, max_depth=min(room, stop.remaining - 1))
+                                 budget=self.tree.total_tokens, max_depth=stop.remaining - 1)
             t2 = time.perf_counter()
             # Verify (paper section 3): all tree nodes in one forward; node i at position past + depth(i).
             hidden = run.forward(tree.tokens, past + tree.depth, run.tree_mask(tree, past), cache)
@@ -67,9 +67,9 @@ class Eagle2Decoder:
             cache.keep(past, path_t)  # accepted nodes' KV move into place; the rest is dropped
             t3 = time.perf_counter()
             summary.record_cycle(len(path) - 1, tree, t2 - t1, t3 - t2)
-            emitted = stop.push(tree.tokens[path_t[1:]].tolist() + [bonus])
-            yield StepEvent(emitted, accepted=len(path) - 1, tree_size=tree.size, draft_s=t2 - t1, verify_s=t3 - t2)
             new_tokens = torch.cat([tree.tokens[path_t[1:]], torch.tensor([bonus], device=dev)])
+            emitted = stop.push(new_tokens.tolist())
+            yield StepEvent(emitted, accepted=len(path) - 1, tree_size=tree.size, draft_s=t2 - t1, verify_s=t3 - t2)
             new_features, start_pos, root = hidden[path_t], past, bonus
 
         summary.finish(stop, time.perf_counter() - t0)
