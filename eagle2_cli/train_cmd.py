@@ -23,13 +23,15 @@ import click
 @click.option("--max-len", default=1024, show_default=True)
 @click.option("--ttt-steps", default=3, show_default=True, help="Training-time test steps (1 = plain EAGLE-1 training).")
 @click.option("--draft-vocab", default=16384, show_default=True, help="Pruned draft vocabulary size (0 = full).")
+@click.option("--init-head", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Start from this head's weights (warm start, e.g. to go on with more data).")
 @click.option("--time-budget", default=None, type=float, help="Stop training after this many minutes (a checkpoint is kept).")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16", "float16"]))
 @click.option("--device", default="auto", show_default=True)
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--seed", default=0, show_default=True)
 def train(model, data, output, work_dir, resume, self_distill, distill_prompts, distill_max_new_tokens, original, epochs, lr,
-          batch_tokens, max_len, ttt_steps, draft_vocab, time_budget, dtype, device, trust_remote_code, seed):
+          batch_tokens, max_len, ttt_steps, draft_vocab, init_head, time_budget, dtype, device, trust_remote_code, seed):
     """Train an EAGLE draft head for MODEL.
 
     \b
@@ -53,7 +55,7 @@ def train(model, data, output, work_dir, resume, self_distill, distill_prompts, 
     except LoadError as e:
         raise click.ClickException(str(e)) from None
     cfg = TrainConfig(epochs=epochs, lr=lr, batch_tokens=batch_tokens, max_len=max_len, ttt_steps=ttt_steps, draft_vocab=draft_vocab,
-                      seed=seed, time_budget_s=time_budget * 60 if time_budget else None)
+                      seed=seed, time_budget_s=time_budget * 60 if time_budget else None, init_head=init_head)
     job = TrainJob(data=list(data), out_dir=output, work_dir=work_dir or output.rstrip("/") + ".work", self_distill=self_distill,
                    distill_prompts=distill_prompts, distill_max_new_tokens=distill_max_new_tokens, use_original=original,
                    max_len=max_len, seed=seed, config=cfg)

@@ -155,3 +155,44 @@ def test_training_time_test_mask_matches_tree_attention():
     seen = {(blk, s) for blk in range(3) for s in range(L) if m[a, blk * L + s]}
     assert seen == {(0, 0), (0, 1), (0, 2), (1, 3), (2, 4)}
     assert torch.equal(ttt_mask(L, 0, valid, torch.float32)[0, 0] == 0, torch.tril(torch.ones(L, L, dtype=torch.bool)))
+
+
+def test_warm_start_copies_the_head_layer_and_records_prior_compute(tiny_target, tmp_path):
+    from safetensors.torch import load_file
+
+    from eagle2_core.train.data import render
+    from eagle2_core.train.features import extract_features, load_features
+    from eagle2_core.train.trainer import TrainConfig, train_head
+
+    samples = [render(tiny_target.tokenizer, read_conversations_from(r)) for r in SHAREGPT * 4]
+    extract_features(tiny_target.model, samples, str(tmp_path / "feat"))
+    seqs = load_features(str(tmp_path / "feat"))
+    cfg = TrainConfig(epochs=1, warmup_steps=1, batch_tokens=128, max_len=128, ttt_steps=1, draft_vocab=0)
+    train_head(tiny_target.model, seqs, str(tmp_path / "h1"), cfg, str(tmp_path / "w1"), log=lambda m: None)
+    first = load_file(str(tmp_path / "h1" / "model.safetensors"))
+    # Learning rate 0: the warm-started head must come out exactly as it went in ...
+    cfg0 = TrainConfig(epochs=1, warmup_steps=1, lr=0.0, batch_tokens=128, max_len=128, ttt_steps=1, draft_vocab=0,
+                       init_head=str(tmp_path / "h1"), seed=1)
+    train_head(tiny_target.model, seqs, str(tmp_path / "h2"), cfg0, str(tmp_path / "w2"), log=lambda m: None)
+    second = load_file(str(tmp_path / "h2" / "model.safetensors"))
+    assert set(first) == set(second) and all(torch.equal(first[k], second[k]) for k in first)
+    # ... while a fresh head with another seed differs, and the prior compute is on record.
+    train_head(tiny_target.model, seqs, str(tmp_path / "h3"), TrainConfig(**{**cfg0.__dict__, "init_head": None}),
+               str(tmp_path / "w3"), log=lambda m: None)
+    third = load_file(str(tmp_path / "h3" / "model.safetensors"))
+    assert not torch.equal(first["fc.weight"], third["fc.weight"])
+    meta = json.load(open(tmp_path / "h2" / "eagle2.json"))
+    assert meta["init_head"] == str(tmp_path / "h1") and meta["init_head_compute"]["steps"] > 0
+
+
+def test_lr_schedule_decays_by_steps_or_by_time_whichever_ends_first():
+    from eagle2_core.train.trainer import TrainConfig, lr_schedule
+
+    cfg = TrainConfig(lr=1.0, warmup_steps=10)
+    assert lr_schedule(cfg, 0, 1000) == pytest.approx(0.1)          # warm-up
+    assert lr_schedule(cfg, 10, 1000) == pytest.approx(1.0)         # peak
+    assert lr_schedule(cfg, 1000, 1000) == pytest.approx(0.1)       # floor at the end
+    timed = TrainConfig(lr=1.0, warmup_steps=10, time_budget_s=100.0)
+    assert lr_schedule(timed, 20, 1000, train_s=0.0) > 0.99
+    assert lr_schedule(timed, 20, 1000, train_s=50.0) == pytest.approx(0.55)  # half the time: half-way down the cosine
+    assert lr_schedule(timed, 20, 1000, train_s=100.0) == pytest.approx(0.1)

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..head import DraftHead, HeadSpec
+from ..head import DraftHead, HeadSpec, build_head, read_head_folder
 
 
 @dataclass
@@ -45,6 +45,7 @@ class TrainConfig:
     eval_every_epochs: int = 1
     time_budget_s: float | None = None   # stop (and save) after this much training time
     max_steps: int | None = None
+    init_head: str | None = None  # warm start from this head folder (e.g. to go on with more data)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -181,6 +182,30 @@ class TrainState:
     history: list[dict] = field(default_factory=list)
 
 
+def lr_schedule(cfg: TrainConfig, step: int, total_steps: int, train_s: float = 0.0) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak.
+
+    With a time budget the decay follows whichever runs out first, steps or time, so a run
+    cut by its budget still ends at a low learning rate instead of mid-schedule.
+    """
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    t = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+    if cfg.time_budget_s:
+        t = max(t, train_s / cfg.time_budget_s)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def init_from(head: DraftHead, folder: str, spec: HeadSpec) -> None:
+    """Copy a trained head's layer weights into `head` (its draft vocabulary is rebuilt from the data)."""
+    old_spec, sd, _, _ = read_head_folder(folder)
+    if (old_spec.hidden_size, old_spec.vocab_size) != (spec.hidden_size, spec.vocab_size):
+        raise ValueError(f"--init-head {folder}: hidden size {old_spec.hidden_size} / vocab {old_spec.vocab_size} "
+                         f"do not fit this target ({spec.hidden_size} / {spec.vocab_size})")
+    own = build_head(old_spec, sd, where=f"--init-head {folder}").head_state_dict()
+    head.load_state_dict(own, strict=False)
+
+
 def train_head(model, seqs: list[dict], out_dir: str, cfg: TrainConfig, work_dir: str, resume: bool = False,
                eval_fn: Callable[[DraftHead], dict] | None = None, log: Callable[[str], None] = print,
                progress: Callable[[int, int, dict], None] | None = None, metadata: dict | None = None) -> TrainState:
@@ -217,11 +242,17 @@ def train_head(model, seqs: list[dict], out_dir: str, cfg: TrainConfig, work_dir
         state = TrainState(**json.loads(ck["state"]))
         log(f"resumed at step {state.step}, epoch {state.epoch}")
 
+    if cfg.init_head:
+        if state.step == 0:
+            init_from(head, cfg.init_head, spec)
+            log(f"warm start from {cfg.init_head}")
+        # The compute behind the starting head counts towards this one: keep it in the metadata.
+        prior = read_head_folder(cfg.init_head)[3]
+        metadata = dict(metadata or {}, init_head=cfg.init_head,
+                        init_head_compute={k: prior.get(k) for k in ("tokens_seen", "steps", "train_s", "training_tokens")})
+
     def lr_at(step):
-        if step < cfg.warmup_steps:
-            return cfg.lr * (step + 1) / cfg.warmup_steps
-        t = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
-        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+        return lr_schedule(cfg, step, total_steps, state.train_s)
 
     def save_checkpoint():
         torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "state": json.dumps(asdict(state))}, ckpt_path + ".tmp")
