@@ -24,7 +24,7 @@ class TreeSettings:
     Defaults are for a CPU; the paper's GPU setting is total_tokens=60, depth=6, top_k=10
     (`TreeSettings.gpu()`), which matches the reference code's depth=5 expansion steps.
     On a 2-core CPU a forward costs nearly in proportion to its tokens (12 tokens: 1.8x one),
-    so small trees win there: with the shipped SmolLM2 head, a sweep over 6 held-out ShareGPT
+    so small trees win there: with the first shipped SmolLM2 head (v1), a sweep over 6 held-out ShareGPT
     prompts gave 0.87x of `generate` at 8/3/3, 0.69x at 12/4/3 and 16/4/4, 0.57x at 24/5/6.
     """
     shape: str = "dynamic"          # dynamic | static | chain

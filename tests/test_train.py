@@ -176,7 +176,7 @@ def test_warm_start_copies_the_head_layer_and_records_prior_compute(tiny_target,
     train_head(tiny_target.model, seqs, str(tmp_path / "h2"), cfg0, str(tmp_path / "w2"), log=lambda m: None)
     second = load_file(str(tmp_path / "h2" / "model.safetensors"))
     assert set(first) == set(second) and all(torch.equal(first[k], second[k]) for k in first)
-    # ... while a fresh head with another seed differs, and the prior compute is on record.
+    # ... while the same run without the warm start differs, and the prior compute is on record.
     train_head(tiny_target.model, seqs, str(tmp_path / "h3"), TrainConfig(**{**cfg0.__dict__, "init_head": None}),
                str(tmp_path / "w3"), log=lambda m: None)
     third = load_file(str(tmp_path / "h3" / "model.safetensors"))

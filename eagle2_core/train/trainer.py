@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..head import DraftHead, HeadSpec, build_head, read_head_folder
+from ..head import DraftHead, HeadSpec, build_head, check_head_fits, read_head_folder
 
 
 @dataclass
@@ -196,14 +196,15 @@ def lr_schedule(cfg: TrainConfig, step: int, total_steps: int, train_s: float = 
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
-def init_from(head: DraftHead, folder: str, spec: HeadSpec) -> None:
-    """Copy a trained head's layer weights into `head` (its draft vocabulary is rebuilt from the data)."""
-    old_spec, sd, _, _ = read_head_folder(folder)
-    if (old_spec.hidden_size, old_spec.vocab_size) != (spec.hidden_size, spec.vocab_size):
-        raise ValueError(f"--init-head {folder}: hidden size {old_spec.hidden_size} / vocab {old_spec.vocab_size} "
-                         f"do not fit this target ({spec.hidden_size} / {spec.vocab_size})")
-    own = build_head(old_spec, sd, where=f"--init-head {folder}").head_state_dict()
-    head.load_state_dict(own, strict=False)
+def init_from(head: DraftHead, folder: str, target_model) -> dict:
+    """Copy a trained head's layer weights into `head` (its draft vocabulary is rebuilt from the data).
+
+    Returns the starting head's metadata, whose compute counts towards the new head.
+    """
+    spec, sd, _, meta = read_head_folder(folder)
+    check_head_fits(spec, target_model, where=f"--init-head {folder}")
+    head.load_state_dict(build_head(spec, sd, where=f"--init-head {folder}").head_state_dict(), strict=False)
+    return meta
 
 
 def train_head(model, seqs: list[dict], out_dir: str, cfg: TrainConfig, work_dir: str, resume: bool = False,
@@ -243,11 +244,12 @@ def train_head(model, seqs: list[dict], out_dir: str, cfg: TrainConfig, work_dir
         log(f"resumed at step {state.step}, epoch {state.epoch}")
 
     if cfg.init_head:
+        # On --resume the checkpoint already holds the weights; only the metadata is read again.
         if state.step == 0:
-            init_from(head, cfg.init_head, spec)
+            prior = init_from(head, cfg.init_head, model)
             log(f"warm start from {cfg.init_head}")
-        # The compute behind the starting head counts towards this one: keep it in the metadata.
-        prior = read_head_folder(cfg.init_head)[3]
+        else:
+            prior = read_head_folder(cfg.init_head)[3]
         metadata = dict(metadata or {}, init_head=cfg.init_head,
                         init_head_compute={k: prior.get(k) for k in ("tokens_seen", "steps", "train_s", "training_tokens")})
 
