@@ -2,18 +2,21 @@
 from __future__ import annotations
 
 import json
+import re
 
 import click
 
 from .options import common_options
 
-AGAINST = ("pld", "sps", "static", "chain")  # = eagle2_core.bench.BASELINES (not imported: keeps --help light)
+AGAINST = ("pld", "sps", "static", "chain")  # with tree:N/D/K = eagle2_core.bench.BASELINES (not imported: keeps --help light)
+TREE_SPEC = re.compile(r"tree:(\d+)/(\d+)/(\d+)")
 
 EPILOG = """\b
 Examples:
   eagle2 compare --vanilla --limit 4 -n 64
   eagle2 compare --vanilla --dataset mt-bench --json mt.json --plot mt.png
   eagle2 compare --vanilla --dataset humaneval --limit 20 --against pld,static,chain
+  eagle2 compare --vanilla --dataset mt-bench --against tree:6/3/2,tree:12/4/3
   eagle2 compare --vanilla -f prompts.jsonl --against sps --assistant HuggingFaceTB/SmolLM2-135M-Instruct \\
       --model HuggingFaceTB/SmolLM2-1.7B-Instruct --draft my-head/
 """
@@ -23,9 +26,13 @@ def _against(ctx, param, value):
     if not value:
         return ()
     names = tuple(dict.fromkeys(v.strip().lower() for v in value.split(",") if v.strip()))
-    bad = [n for n in names if n not in AGAINST]
+    bad = [n for n in names if n not in AGAINST and not TREE_SPEC.fullmatch(n)]
     if bad:
-        raise click.BadParameter(f"unknown baseline {', '.join(bad)}; choose from {', '.join(AGAINST)}")
+        raise click.BadParameter(f"unknown baseline {', '.join(bad)}; choose from {', '.join(AGAINST)} or tree:N/D/K")
+    for n in names:
+        m = TREE_SPEC.fullmatch(n)
+        if m and (int(m[1]) < 2 or int(m[2]) < 1 or int(m[3]) < 1):
+            raise click.BadParameter(f"{n}: total tokens must be >= 2, depth and top-k >= 1")
     return names
 
 
@@ -38,7 +45,8 @@ def _against(ctx, param, value):
               help="A vendored benchmark: MT-bench first turns or HumanEval prompts.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Use the first N prompts.")
 @click.option("--against", callback=_against, default="", metavar="LIST",
-              help="Extra baselines in the same run: pld (prompt lookup), sps (assisted generation, needs --assistant), static, chain.")
+              help="Extra methods in the same run: pld (prompt lookup), sps (assisted generation, needs --assistant), static, chain, "
+                   "tree:N/D/K (the dynamic tree with N tokens, depth D, top-k K; repeatable to sweep tree sizes).")
 @click.option("--assistant", default=None, metavar="MODEL", help="Small model for --against sps.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), default=None, help="Write the statistics as JSON ('-' for stdout).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="PNG: acceptance-length histogram and per-prompt speedup (needs matplotlib).")

@@ -9,6 +9,7 @@ import dataclasses
 import gzip
 import json
 import os
+import re
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -224,14 +225,21 @@ class Comparison:
 
 
 Decoder = object  # anything with .generate(prompt_ids, GenerationSettings) -> (tokens, Summary)
-BASELINES = ("pld", "sps", "static", "chain")
+BASELINES = ("pld", "sps", "static", "chain", "tree:N/D/K")
 PLD_TOKENS = 10
+
+
+def parse_tree_spec(name: str) -> tuple[int, int, int] | None:
+    """`tree:6/3/2` -> (total_tokens, depth, top_k); None if `name` is not a tree spec."""
+    m = re.fullmatch(r"tree:(\d+)/(\d+)/(\d+)", name)
+    return tuple(int(g) for g in m.groups()) if m else None
 
 
 def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=None) -> dict[str, tuple[Decoder, bool]]:
     """name -> (decoder, speculative?) for a comparison: vanilla HF generate, EAGLE-2, and extra baselines:
     pld (HF prompt lookup, 10 tokens), sps (HF assisted generation with `assistant_model`), static/chain
-    (our EAGLE-1 tree and chain draft shapes with the same head)."""
+    (our EAGLE-1 tree and chain draft shapes with the same head), tree:N/D/K (the dynamic tree with another
+    budget: total tokens / depth / top-k), so tree sizes can be swept against one shared baseline."""
     methods: dict[str, tuple[Decoder, bool]] = {}
     if vanilla:
         methods["vanilla"] = (runtime.vanilla(), False)
@@ -245,6 +253,10 @@ def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=Non
             methods["sps"] = (runtime.vanilla(assistant_model=assistant_model), False)
         elif name in ("static", "chain"):
             methods[name] = (runtime.eagle(dataclasses.replace(runtime.tree, shape=name)), True)
+        elif (spec := parse_tree_spec(name)) is not None:
+            tree = dataclasses.replace(runtime.tree, shape="dynamic", total_tokens=spec[0], depth=spec[1], top_k=spec[2])
+            tree.validate()
+            methods[name] = (runtime.eagle(tree), True)
         else:
             raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
     return methods

@@ -61,5 +61,19 @@ def test_compare_option_errors(tiny_model_dir):
     assert r.exit_code == 2 and "--assistant" in r.stderr
     r = CliRunner().invoke(cli, ["compare", "--against", "medusa"])
     assert r.exit_code == 2 and "unknown baseline medusa" in r.stderr
+    r = CliRunner().invoke(cli, ["compare", "--against", "tree:1/3/2"])
+    assert r.exit_code == 2 and "total tokens must be >= 2" in r.stderr
     r = CliRunner().invoke(cli, ["compare", "-f", "x.jsonl", "--dataset", "mt-bench"])
     assert r.exit_code == 2
+
+
+def test_compare_sweeps_tree_sizes_against_one_baseline(tmp_path, tiny_model_dir, tiny_head_dir):
+    out = tmp_path / "c.json"
+    r = CliRunner().invoke(cli, ["compare", "--dataset", "mt-bench", "--limit", "2", "--against", "tree:3/2/1,tree:12/4/3",
+                                 "--json", str(out), "--warmup-tokens", "0"] + model_args(tiny_model_dir, tiny_head_dir))
+    assert r.exit_code == 0, r.output + r.stderr
+    d = json.loads(out.read_text())
+    assert d["tree:3/2/1"]["identical"] == 2 and d["tree:12/4/3"]["identical"] == 2
+    # each method verifies trees of its own budget (the tree may come out smaller near max_new_tokens)
+    assert 1 < d["tree:3/2/1"]["mean_tree_size"] <= 3 < d["tree:12/4/3"]["mean_tree_size"] <= 12
+    assert len(d["tree:3/2/1"]["acceptance_by_depth"]) <= 2 and "tree:12/4/3" in r.stdout
