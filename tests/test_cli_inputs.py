@@ -104,8 +104,8 @@ def test_apply_setting():
     gen, tree = GenerationSettings(), TreeSettings()
     gen, tree, key = apply_setting(gen, tree, "temperature=0.7")
     assert key == "temperature" and gen.temperature == 0.7
-    gen, tree, key = apply_setting(gen, tree, "tree-top-k=3")
-    assert key == "tree_top_k" and tree.top_k == 3
+    gen, tree, key = apply_setting(gen, tree, "tree-top-k=7")
+    assert key == "tree_top_k" and tree.top_k == 7 != TreeSettings().top_k
     gen, tree, _ = apply_setting(gen, tree, "shape=chain")
     assert tree.shape == "chain"
     gen, tree, _ = apply_setting(gen, tree, "seed=none")
@@ -157,3 +157,16 @@ def test_vendored_datasets():
     assert len(mt) == 80 and all(it.category for it in mt) and mt[0].messages[0]["role"] == "user"
     he = dataset_items("humaneval")
     assert len(he) == 164 and he[0].id == "HumanEval/0" and "def " in he[0].messages[0]["content"]
+
+
+def test_tree_option_help_states_the_real_defaults():
+    # The CLI hard-codes these in --help (importing the engine would make --help slow); keep them true.
+    from click.testing import CliRunner
+
+    from eagle2_cli.main import cli
+
+    text = " ".join(CliRunner().invoke(cli, ["generate", "--help"]).output.split())
+    cpu, gpu = TreeSettings(), TreeSettings.gpu()
+    assert f"incl. root [CPU {cpu.total_tokens}, GPU {gpu.total_tokens}]" in text
+    assert f"Longest draft path [CPU {cpu.depth}, GPU {gpu.depth}]" in text
+    assert f"per expanded node [CPU {cpu.top_k}, GPU {gpu.top_k}]" in text
