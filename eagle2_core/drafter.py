@@ -23,13 +23,13 @@ class TreeSettings:
 
     Defaults are for a CPU; the paper's GPU setting is total_tokens=60, depth=6, top_k=10
     (`TreeSettings.gpu()`), which matches the reference code's depth=5 expansion steps.
-    On a 2-core CPU a forward costs nearly in proportion to its tokens (12 tokens: 1.8x one),
-    so small trees win there: with the first shipped SmolLM2 head (v1), a sweep over 6 held-out ShareGPT
-    prompts gave 0.87x of `generate` at 8/3/3, 0.69x at 12/4/3 and 16/4/4, 0.57x at 24/5/6.
+    On a 2-core CPU a float32 forward costs nearly in proportion to its tokens, so small trees
+    win there: with head v3 on all 80 MT-bench first turns (128 tokens, one shared baseline run),
+    6/2/3 gave 1.09x of `generate` (tau 1.83), 5/3/2 1.04x (1.78), 8/3/3 1.01x (1.94).
     """
     shape: str = "dynamic"          # dynamic | static | chain
-    total_tokens: int = 8           # tree size including the root (the verify batch)
-    depth: int = 3
+    total_tokens: int = 6           # tree size including the root (the verify batch)
+    depth: int = 2
     top_k: int = 3
     expand_by: str = "path"         # path (EAGLE-2) | node (ablation: the node's own confidence)
     rerank: bool = True             # False: ablation, keep the expanded nodes breadth-first
