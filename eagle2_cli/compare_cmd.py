@@ -2,14 +2,11 @@
 from __future__ import annotations
 
 import json
-import re
 
 import click
 
 from .options import common_options
 
-AGAINST = ("pld", "sps", "static", "chain")  # with tree:N/D/K = eagle2_core.bench.BASELINES (not imported: keeps --help light)
-TREE_SPEC = re.compile(r"tree:(\d+)/(\d+)/(\d+)")
 
 EPILOG = """\b
 Examples:
@@ -25,14 +22,20 @@ Examples:
 def _against(ctx, param, value):
     if not value:
         return ()
+    # Imported here, not at module level, so `--help` stays light; parsing rules live in the engine.
+    from eagle2_core.bench import BASELINES, parse_tree_spec
+    from eagle2_core.drafter import TreeSettings
+
     names = tuple(dict.fromkeys(v.strip().lower() for v in value.split(",") if v.strip()))
-    bad = [n for n in names if n not in AGAINST and not TREE_SPEC.fullmatch(n)]
+    bad = [n for n in names if n not in BASELINES and parse_tree_spec(n) is None]
     if bad:
-        raise click.BadParameter(f"unknown baseline {', '.join(bad)}; choose from {', '.join(AGAINST)} or tree:N/D/K")
+        raise click.BadParameter(f"unknown baseline {', '.join(bad)}; choose from {', '.join(BASELINES)} or tree:N/D/K")
     for n in names:
-        m = TREE_SPEC.fullmatch(n)
-        if m and (int(m[1]) < 2 or int(m[2]) < 1 or int(m[3]) < 1):
-            raise click.BadParameter(f"{n}: total tokens must be >= 2, depth and top-k >= 1")
+        if (spec := parse_tree_spec(n)) is not None:
+            try:
+                TreeSettings(total_tokens=spec[0], depth=spec[1], top_k=spec[2]).validate()
+            except ValueError:
+                raise click.BadParameter(f"{n}: total tokens must be >= 2, depth and top-k >= 1") from None
     return names
 
 

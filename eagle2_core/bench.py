@@ -225,7 +225,7 @@ class Comparison:
 
 
 Decoder = object  # anything with .generate(prompt_ids, GenerationSettings) -> (tokens, Summary)
-BASELINES = ("pld", "sps", "static", "chain", "tree:N/D/K")
+BASELINES = ("pld", "sps", "static", "chain")  # plus tree:N/D/K, see parse_tree_spec
 PLD_TOKENS = 10
 
 
@@ -258,7 +258,7 @@ def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=Non
             tree.validate()
             methods[name] = (runtime.eagle(tree), True)
         else:
-            raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
+            raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)} or tree:N/D/K")
     return methods
 
 
