@@ -16,6 +16,7 @@ import click
 @click.option("--self-distill/--no-self-distill", default=True, show_default=True, help="Let the target answer the prompts itself.")
 @click.option("--distill-prompts", default=2000, show_default=True, help="How many prompts to self-distill.")
 @click.option("--distill-max-new-tokens", default=256, show_default=True)
+@click.option("--distill-batch", default=48, show_default=True, help="Prompts answered together (a GPU takes 256 or more).")
 @click.option("--original/--no-original", default=True, show_default=True, help="Also train on the data's own assistant turns.")
 @click.option("--epochs", default=10, show_default=True)
 @click.option("--lr", default=5e-4, show_default=True)
@@ -30,7 +31,7 @@ import click
 @click.option("--device", default="auto", show_default=True)
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--seed", default=0, show_default=True)
-def train(model, data, output, work_dir, resume, self_distill, distill_prompts, distill_max_new_tokens, original, epochs, lr,
+def train(model, data, output, work_dir, resume, self_distill, distill_prompts, distill_max_new_tokens, distill_batch, original, epochs, lr,
           batch_tokens, max_len, ttt_steps, draft_vocab, init_head, time_budget, dtype, device, trust_remote_code, seed):
     """Train an EAGLE draft head for MODEL.
 
@@ -57,7 +58,7 @@ def train(model, data, output, work_dir, resume, self_distill, distill_prompts, 
     cfg = TrainConfig(epochs=epochs, lr=lr, batch_tokens=batch_tokens, max_len=max_len, ttt_steps=ttt_steps, draft_vocab=draft_vocab,
                       seed=seed, time_budget_s=time_budget * 60 if time_budget else None, init_head=init_head)
     job = TrainJob(data=list(data), out_dir=output, work_dir=work_dir or output.rstrip("/") + ".work", self_distill=self_distill,
-                   distill_prompts=distill_prompts, distill_max_new_tokens=distill_max_new_tokens, use_original=original,
+                   distill_prompts=distill_prompts, distill_max_new_tokens=distill_max_new_tokens, distill_batch=distill_batch, use_original=original,
                    max_len=max_len, seed=seed, config=cfg)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=console)

@@ -39,8 +39,9 @@ def generate_batch(model, prompts: list[list[int]], eos: set[int], max_new_token
     cache = DynamicCache(config=model.config)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     h = body(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True).last_hidden_state
-    probs = torch.softmax(lm_head(h).float(), dim=-1)
-    pv, pi = torch.topk(probs, topk, dim=-1)
+    # Row by row: the whole batch's prompt logits at once would be B x width x vocab floats
+    # (40 GB for 256 prompts of 256 tokens over Qwen2's 152k vocabulary).
+    pv, pi = map(torch.stack, zip(*(torch.topk(torch.softmax(lm_head(row).float(), dim=-1), topk, dim=-1) for row in h)))
     feats = [[h[b, width - len(p):]] for b, p in enumerate(prompts)]
     tops = [[(pv[b, width - len(p):], pi[b, width - len(p):])] for b, p in enumerate(prompts)]
     next_tok = pi[:, -1, 0]
@@ -108,6 +109,7 @@ def self_distill(model, tokenizer, prompts: list[list[dict]], out_path: str, bat
             todo.append((k, ids))
     todo.sort(key=lambda x: len(x[1]))  # similar lengths per batch waste less padding
     written = 0
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     with open(out_path, "a") as f:
         for b in range(0, len(todo), batch_size):
             batch = todo[b : b + batch_size]

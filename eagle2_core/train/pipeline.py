@@ -17,6 +17,7 @@ import torch
 from ..decoder import Eagle2Decoder
 from ..drafter import TreeSettings
 from ..events import GenerationSettings, Summary
+from ..head import DraftHead
 from .data import ReadReport, first_user_prompts, read_conversations, render
 from .distill import self_distill
 from .features import extract_features, load_features
@@ -48,7 +49,12 @@ def _stage(log, name):
 def held_out_eval(target_model, tokenizer, prompts: list[list[int]], max_new_tokens: int, tree: TreeSettings | None = None) -> Callable:
     """tau of the head being trained, measured with the real dynamic-tree decoder."""
     def evaluate(head) -> dict:
-        head.eval()
+        # A copy in the target's dtype and device, as inference loads it: the trained head keeps
+        # fp32 master weights, which a bf16 target's features would not match.
+        spec, sd = head.spec, head.head_state_dict()
+        head = DraftHead(spec, head.draft_vocab)
+        head.load_state_dict(sd, strict=False)
+        head.bind(target_model).eval()
         dec = Eagle2Decoder(target_model, head, tokenizer, tree or TreeSettings())
         total = Summary()
         with torch.no_grad():

@@ -125,13 +125,14 @@ def ttt_mask(L: int, step: int, valid: torch.Tensor, dtype) -> torch.Tensor:
     step-0 keys s <= a-j (true features) and, for 1 <= i <= j, the key of its own ancestor at
     step i (row a-j+i). Step 0 is the ordinary causal mask.
     """
-    a = torch.arange(L)
+    dev = valid.device
+    a = torch.arange(L, device=dev)
     blocks = [a[None, :] <= (a[:, None] - step)]
     for i in range(1, step + 1):
         blocks.append(a[None, :] == (a[:, None] - step + i))
     allowed = torch.cat(blocks, dim=1)[None] & valid.repeat(1, step + 1)[:, None, :]
-    allowed |= torch.cat([torch.zeros(L, L * step, dtype=torch.bool), torch.eye(L, dtype=torch.bool)], 1)[None]
-    bias = torch.zeros(allowed.shape, dtype=dtype)
+    allowed |= torch.cat([torch.zeros(L, L * step, dtype=torch.bool, device=dev), torch.eye(L, dtype=torch.bool, device=dev)], 1)[None]
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=dev)
     return bias.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
@@ -146,10 +147,10 @@ def batch_loss(head: DraftHead, W: torch.Tensor, batch, cfg: TrainConfig, gen: t
     row_ok = (mask[:, 1:] & valid[:, 1:]).float()
     n = L - 1
     rms = in_feat.pow(2).mean().sqrt()
-    in_feat = in_feat + (torch.rand(in_feat.shape, generator=gen) - 0.5) * 2 * cfg.noise * rms
-    pos = torch.arange(n)[None].expand(B, n)
+    in_feat = in_feat + (torch.rand(in_feat.shape, generator=gen, device=gen.device) - 0.5) * 2 * cfg.noise * rms
+    pos = torch.arange(n, device=feat.device)[None].expand(B, n)
     cache = DynamicCache()
-    total = torch.zeros(())
+    total = torch.zeros((), device=feat.device)
     stats = {}
     x = in_feat
     for j in range(cfg.ttt_steps):
@@ -225,7 +226,10 @@ def train_head(model, seqs: list[dict], out_dir: str, cfg: TrainConfig, work_dir
         draft_vocab = build_draft_vocab(seqs, cfg.draft_vocab, model_eos_ids(model, None), spec.vocab_size)
         torch.save(draft_vocab, vocab_path)
     head = DraftHead(spec, draft_vocab).bind(model)
-    head.float().train()
+    head.float().train()  # fp32 master weights whatever the target's dtype; evaluation uses a copy in the target's
+    dev = head.fc.weight.device
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # the head is small; TF32 costs no measurable accuracy here
     W = head.draft_lm_head.float()
     t2d = None
     if draft_vocab is not None:
@@ -275,7 +279,7 @@ def train_head(model, seqs: list[dict], out_dir: str, cfg: TrainConfig, work_dir
             head.save(out_dir, metadata=meta)
         save_checkpoint()
 
-    gen = torch.Generator().manual_seed(cfg.seed + state.step)
+    gen = torch.Generator(device=dev).manual_seed(cfg.seed + state.step)
     try:
         _loop(state, cfg, seqs, steps_per_epoch, total_steps, t2d, opt, lr_at, head, W, gen, params, progress, save_checkpoint, evaluate_and_keep)
     except KeyboardInterrupt:
@@ -294,7 +298,7 @@ def _loop(state, cfg, seqs, steps_per_epoch, total_steps, t2d, opt, lr_at, head,
             if b_i < skip:
                 continue
             t0 = time.perf_counter()
-            batch = collate(seqs, idx, cfg.max_len, t2d)
+            batch = tuple(t.to(gen.device, non_blocking=True) for t in collate(seqs, idx, cfg.max_len, t2d))
             for g in opt.param_groups:
                 g["lr"] = lr_at(state.step)
             loss, stats = batch_loss(head, W, batch, cfg, gen)
