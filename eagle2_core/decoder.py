@@ -25,7 +25,7 @@ class Eagle2Decoder:
         self.runner = TargetRunner(model)
         self.head = head
         self.tokenizer = tokenizer
-        self.tree = tree or TreeSettings.for_device(self.runner.device)
+        self.tree = tree or TreeSettings.for_device(self.runner.device, self.runner.dtype)
 
     @torch.no_grad()
     def stream(self, prompt_ids, gen: GenerationSettings | None = None) -> Iterator[StepEvent | Summary]:

@@ -39,8 +39,16 @@ class TreeSettings:
         return cls(total_tokens=60, depth=6, top_k=10)
 
     @classmethod
-    def for_device(cls, device) -> "TreeSettings":
-        return cls.gpu() if torch.device(device).type == "cuda" else cls()
+    def cpu_half(cls) -> "TreeSettings":
+        """A CPU running a bf16/fp16 target: with AMX, a 16-row product costs what a one-row one
+        does, so a larger tree pays (see the README's bf16 figures)."""
+        return cls(total_tokens=10, depth=3, top_k=4)
+
+    @classmethod
+    def for_device(cls, device, dtype: torch.dtype | None = None) -> "TreeSettings":
+        if torch.device(device).type == "cuda":
+            return cls.gpu()
+        return cls.cpu_half() if dtype in (torch.bfloat16, torch.float16) else cls()
 
     def validate(self) -> None:
         if self.shape not in ("dynamic", "static", "chain"):

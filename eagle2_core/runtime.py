@@ -63,8 +63,8 @@ class Runtime:
         target = load_target(model, dtype=dtype, device=device, device_map=device_map, load_in_8bit=load_in_8bit,
                              load_in_4bit=load_in_4bit, trust_remote_code=trust_remote_code)
         head = load_head(draft, target) if need_head else None
-        dev = target.model.get_output_embeddings().weight.device
-        settings = dataclasses.replace(TreeSettings.for_device(dev), **{k: v for k, v in (tree or {}).items() if v is not None})
+        out = target.model.get_output_embeddings().weight
+        settings = dataclasses.replace(TreeSettings.for_device(out.device, out.dtype), **{k: v for k, v in (tree or {}).items() if v is not None})
         try:
             settings.validate()
         except ValueError as e:

@@ -166,7 +166,15 @@ def test_tree_option_help_states_the_real_defaults():
     from eagle2_cli.main import cli
 
     text = " ".join(CliRunner().invoke(cli, ["generate", "--help"]).output.split())
-    cpu, gpu = TreeSettings(), TreeSettings.gpu()
-    assert f"incl. root [CPU {cpu.total_tokens}, GPU {gpu.total_tokens}]" in text
-    assert f"Longest draft path [CPU {cpu.depth}, GPU {gpu.depth}]" in text
-    assert f"per expanded node [CPU {cpu.top_k}, GPU {gpu.top_k}]" in text
+    cpu, half, gpu = TreeSettings(), TreeSettings.cpu_half(), TreeSettings.gpu()
+    assert f"incl. root [CPU {cpu.total_tokens}, CPU bf16 {half.total_tokens}, GPU {gpu.total_tokens}]" in text
+    assert f"Longest draft path [CPU {cpu.depth}, CPU bf16 {half.depth}, GPU {gpu.depth}]" in text
+    assert f"per expanded node [CPU {cpu.top_k}, CPU bf16 {half.top_k}, GPU {gpu.top_k}]" in text
+
+
+def test_tree_defaults_follow_device_and_dtype():
+    import torch
+
+    assert TreeSettings.for_device("cpu") == TreeSettings.for_device("cpu", torch.float32) == TreeSettings()
+    assert TreeSettings.for_device("cpu", torch.bfloat16) == TreeSettings.cpu_half() != TreeSettings()
+    assert TreeSettings.for_device("cuda:0", torch.bfloat16) == TreeSettings.for_device("cuda", torch.float32) == TreeSettings.gpu()
