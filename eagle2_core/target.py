@@ -22,6 +22,10 @@ class TargetRunner:
         self.lm_head = model.get_output_embeddings()
         self.device = self.lm_head.weight.device
         self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        # Whether a product over a few more rows costs about what one row does: true on GPUs and
+        # for bf16/fp16 on CPUs with AMX, not for float32 on a CPU (MKL's multi-row path runs well
+        # below memory speed there). Decides how the decoder spends lm_head work.
+        self.rows_cheap = self.device.type != "cpu" or self.dtype in (torch.bfloat16, torch.float16)
         self.max_positions = getattr(self.config, "max_position_embeddings", None) or 1 << 30
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         layer_types = getattr(self.config, "layer_types", None) or []

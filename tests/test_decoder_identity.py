@@ -128,6 +128,20 @@ def test_greedy_identity(arch_env, shape, monkeypatch):
     assert hist[0] > 0, f"no cycle rejected every draft token: {hist}"
 
 
+def test_greedy_identity_with_one_lm_head_pass(arch_env):
+    """Where extra rows are cheap (GPU, bf16 on AMX) acceptance takes every tree row's logits in
+    one product instead of internal rows plus a leaf row; forced here on the float32 tiny models."""
+    dec = Eagle2Decoder(arch_env["model"], arch_env["head"], tree=SHAPES["dynamic"])
+    dec.runner.rows_cheap = True
+    rows_seen = []
+    real_logits = dec.runner.logits
+    dec.runner.logits = lambda h: rows_seen.append(h.shape[0]) or real_logits(h)
+    for case in arch_env["cases"]:
+        out, _ = dec.generate(case["ids"], GenerationSettings(max_new_tokens=case["n"], eos_token_ids=case["eos"]))
+        assert out == case["ref"], case
+    assert max(rows_seen) == SHAPES["dynamic"].total_tokens  # whole trees went through lm_head at once
+
+
 def test_tree_variants_identity(tiny_lm, fitted_head):
     """Ablations and edge sizes stay lossless too: expand by node confidence, no rerank,
     a one-node tree (total_tokens=2), a top-1 dynamic tree, and a tree wider than the vocabulary."""
