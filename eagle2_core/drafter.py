@@ -14,6 +14,7 @@ import torch
 
 from .head import DraftHead
 from .kvcache import TreeKVCache
+from .target import rows_are_cheap
 from .tree import DraftTree, causal_attention_bias, choices_to_levels, chain_choices, rerank, select_expansion, static_choices, tree_from_parents
 
 
@@ -48,7 +49,7 @@ class TreeSettings:
     def for_device(cls, device, dtype: torch.dtype | None = None) -> "TreeSettings":
         if torch.device(device).type == "cuda":
             return cls.gpu()
-        return cls.cpu_half() if dtype in (torch.bfloat16, torch.float16) else cls()
+        return cls.cpu_half() if rows_are_cheap(device, dtype) else cls()
 
     def validate(self) -> None:
         if self.shape not in ("dynamic", "static", "chain"):

@@ -14,6 +14,13 @@ from .tree import DraftTree, causal_attention_bias, tree_attention_bias
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>", "<|end_of_text|>")
 
 
+def rows_are_cheap(device, dtype: torch.dtype | None) -> bool:
+    """Whether a product over a few more rows costs about what one row does: true on GPUs and for
+    bf16/fp16 on CPUs with AMX, not for float32 on a CPU (MKL's multi-row path runs well below
+    memory speed there). The tree size defaults and greedy acceptance both follow it."""
+    return torch.device(device).type != "cpu" or dtype in (torch.bfloat16, torch.float16)
+
+
 class TargetRunner:
     def __init__(self, model):
         self.model = model
@@ -22,10 +29,7 @@ class TargetRunner:
         self.lm_head = model.get_output_embeddings()
         self.device = self.lm_head.weight.device
         self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        # Whether a product over a few more rows costs about what one row does: true on GPUs and
-        # for bf16/fp16 on CPUs with AMX, not for float32 on a CPU (MKL's multi-row path runs well
-        # below memory speed there). Decides how the decoder spends lm_head work.
-        self.rows_cheap = self.device.type != "cpu" or self.dtype in (torch.bfloat16, torch.float16)
+        self.rows_cheap = rows_are_cheap(self.device, self.dtype)  # decides how acceptance spends lm_head work
         self.max_positions = getattr(self.config, "max_position_embeddings", None) or 1 << 30
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         layer_types = getattr(self.config, "layer_types", None) or []

@@ -17,7 +17,7 @@ import torch
 from ..decoder import Eagle2Decoder
 from ..drafter import TreeSettings
 from ..events import GenerationSettings, Summary
-from ..head import DraftHead
+from ..head import build_head
 from .data import ReadReport, first_user_prompts, read_conversations, render
 from .distill import self_distill
 from .features import extract_features, load_features
@@ -51,10 +51,7 @@ def held_out_eval(target_model, tokenizer, prompts: list[list[int]], max_new_tok
     def evaluate(head) -> dict:
         # A copy in the target's dtype and device, as inference loads it: the trained head keeps
         # fp32 master weights, which a bf16 target's features would not match.
-        spec, sd = head.spec, head.head_state_dict()
-        head = DraftHead(spec, head.draft_vocab)
-        head.load_state_dict(sd, strict=False)
-        head.bind(target_model).eval()
+        head = build_head(head.spec, head.head_state_dict(), head.draft_vocab).bind(target_model).eval()
         dec = Eagle2Decoder(target_model, head, tokenizer, tree or TreeSettings())
         total = Summary()
         with torch.no_grad():
