@@ -1,4 +1,4 @@
-"""The one device run behind heads/qwen2.5-coder-0.5b-instruct and the README's H200 figures.
+"""The one device run behind the Qwen2.5-Coder-0.5B head and the README's H200 figures.
 
 Self-distils ShareGPT prompts with the target on the GPU until DISTILL_END seconds, trains a head
 until TRAIN_END, packs it (bf16, in pieces under 16 MiB, for the device tool's file limit), then
