@@ -14,7 +14,7 @@ import torch
 
 from .head import DraftHead
 from .kvcache import TreeKVCache
-from .target import rows_are_cheap
+from .target import has_amx
 from .tree import DraftTree, causal_attention_bias, choices_to_levels, chain_choices, rerank, select_expansion, static_choices, tree_from_parents
 
 
@@ -47,9 +47,13 @@ class TreeSettings:
 
     @classmethod
     def for_device(cls, device, dtype: torch.dtype | None = None) -> "TreeSettings":
-        if torch.device(device).type == "cuda":
+        kind = torch.device(device).type
+        if kind == "cuda":
             return cls.gpu()
-        return cls.cpu_half() if rows_are_cheap(device, dtype) else cls()
+        if kind != "cpu" or (dtype in (torch.bfloat16, torch.float16) and has_amx()):
+            return cls.cpu_half()
+        # float32 on any CPU, and bf16/fp16 on CPUs without AMX (where extra rows cost even more)
+        return cls()
 
     def validate(self) -> None:
         if self.shape not in ("dynamic", "static", "chain"):

@@ -24,6 +24,7 @@ from torch import nn
 from transformers import LlamaConfig, Qwen2Config
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+from .rowgemm import linear_rows, make_row_linears
 
 HEAD_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 DRAFT_VOCAB_FILE = "eagle2_draft_vocab.safetensors"
@@ -149,6 +150,7 @@ class DraftHead(nn.Module):
         layer.input_layernorm = nn.Identity()  # EAGLE: the first layer has no input norm
         self.layers = nn.ModuleList([layer])
         self.rotary_emb = LlamaRotaryEmbedding(cfg)
+        make_row_linears(self)  # few-row products at memory speed on CPUs (rowgemm.py)
         # Pruned draft vocabulary (target token ids), as EAGLE-3's d2t map: drafting scores only
         # these rows of lm_head. Verification still uses the full vocabulary, so output is exact.
         self.register_buffer("draft_vocab", draft_vocab, persistent=False)
@@ -192,7 +194,7 @@ class DraftHead(nn.Module):
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary (index into `draft_vocab` if pruned)."""
-        return hidden @ self.draft_lm_head.T.to(hidden.dtype)
+        return linear_rows(hidden, self.draft_lm_head.to(hidden.dtype))
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.draft_vocab is None else self.draft_vocab[draft_ids]

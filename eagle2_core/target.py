@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .rowgemm import linear_rows, plain_linears, row_linears
 from .tree import DraftTree, causal_attention_bias, tree_attention_bias
 
 # End-of-turn markers of common chat templates; generation stops at these as at EOS.
@@ -15,10 +16,20 @@ END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>", "<
 
 
 def rows_are_cheap(device, dtype: torch.dtype | None) -> bool:
-    """Whether a product over a few more rows costs about what one row does: true on GPUs and for
-    bf16/fp16 on CPUs with AMX, not for float32 on a CPU (MKL's multi-row path runs well below
-    memory speed there). The tree size defaults and greedy acceptance both follow it."""
-    return torch.device(device).type != "cpu" or dtype in (torch.bfloat16, torch.float16)
+    """Whether a product over a few more rows costs about what one row does, so that greedy
+    acceptance should put every tree row through lm_head at once. True on GPUs; for float32 on a
+    CPU through the transposed product of `rowgemm`; for bf16/fp16 on a CPU only with AMX tiles
+    (without them, as on AVX2-only CPUs, a half-precision product costs in proportion to its rows)."""
+    if torch.device(device).type != "cpu":
+        return True
+    if dtype in (torch.bfloat16, torch.float16):
+        return has_amx()
+    return True
+
+
+def has_amx() -> bool:
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe and probe())
 
 
 class TargetRunner:
@@ -30,6 +41,10 @@ class TargetRunner:
         self.device = self.lm_head.weight.device
         self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         self.rows_cheap = rows_are_cheap(self.device, self.dtype)  # decides how acceptance spends lm_head work
+        # Float32 CPU linears go through the transposed few-row product during our forwards only
+        # (rowgemm.py); one that already has an instance-level forward (an accelerate hook) is left alone.
+        self.cpu_linears = [m for m in plain_linears(self.body)
+                            if m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 and "forward" not in m.__dict__]
         self.max_positions = getattr(self.config, "max_position_embeddings", None) or 1 << 30
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         layer_types = getattr(self.config, "layer_types", None) or []
@@ -57,11 +72,16 @@ class TargetRunner:
         if mask is None:  # plain causal append (prefill)
             past = cache.length
             mask = self._masks(lambda w: causal_attention_bias(tokens.numel(), past, self.dtype, tokens.device, w))
-        out = self.body(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask, cache=cache, use_cache=True)
+        with row_linears(self.cpu_linears):
+            out = self.body(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask, cache=cache, use_cache=True)
         return out.last_hidden_state[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
+        head = self.lm_head
+        if type(head) is torch.nn.Linear:  # a quantized lm_head keeps its own forward
+            logits = linear_rows(hidden, head.weight, head.bias).float()
+        else:
+            logits = head(hidden).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

@@ -172,9 +172,17 @@ def test_tree_option_help_states_the_real_defaults():
     assert f"per expanded node [CPU {cpu.top_k}, CPU bf16 {half.top_k}, GPU {gpu.top_k}]" in text
 
 
-def test_tree_defaults_follow_device_and_dtype():
+def test_tree_defaults_follow_device_and_dtype(monkeypatch):
     import torch
 
-    assert TreeSettings.for_device("cpu") == TreeSettings.for_device("cpu", torch.float32) == TreeSettings()
+    from eagle2_core import drafter
+
+    for amx in (True, False):
+        monkeypatch.setattr(drafter, "has_amx", lambda: amx)
+        assert TreeSettings.for_device("cpu") == TreeSettings.for_device("cpu", torch.float32) == TreeSettings()
+    # a bf16 target on a CPU gets the larger tree only where AMX makes extra rows cheap
+    monkeypatch.setattr(drafter, "has_amx", lambda: True)
     assert TreeSettings.for_device("cpu", torch.bfloat16) == TreeSettings.cpu_half() != TreeSettings()
+    monkeypatch.setattr(drafter, "has_amx", lambda: False)
+    assert TreeSettings.for_device("cpu", torch.bfloat16) == TreeSettings()
     assert TreeSettings.for_device("cuda:0", torch.bfloat16) == TreeSettings.for_device("cuda", torch.float32) == TreeSettings.gpu()
