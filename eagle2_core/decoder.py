@@ -81,8 +81,10 @@ class Eagle2Decoder:
         Children are checked against their parent's argmax, so only nodes with children need
         logits up front; a leaf needs them only when the accepted path ends there (one more row).
         On a small model lm_head is a large share of the verify cost, and about half the nodes
-        of a tree are leaves. Where extra rows are nearly free (GPU, bf16 on AMX) that second
-        pass over lm_head's weights would cost more than it saves, so all rows go in one product.
+        of a tree are leaves. Where extra rows are nearly free (GPU, float32 CPU through
+        rowgemm's transposed product, bf16 on AMX) that second pass over lm_head's weights would
+        cost more than it saves, so all rows go in one product. The two-row-set plan remains for
+        half precision on CPUs without AMX, where a product costs in proportion to its rows.
         """
         if self.runner.rows_cheap:
             return accept_greedy(tree, self.runner.logits(hidden).argmax(-1))

@@ -14,7 +14,7 @@ import torch
 
 from .head import DraftHead
 from .kvcache import TreeKVCache
-from .target import has_amx
+from .target import rows_are_cheap
 from .tree import DraftTree, causal_attention_bias, choices_to_levels, chain_choices, rerank, select_expansion, static_choices, tree_from_parents
 
 
@@ -22,16 +22,18 @@ from .tree import DraftTree, causal_attention_bias, choices_to_levels, chain_cho
 class TreeSettings:
     """Shape of the draft tree. `depth` is the longest draft path (tokens after the root).
 
-    Defaults are for a CPU; the paper's GPU setting is total_tokens=60, depth=6, top_k=10
-    (`TreeSettings.gpu()`), which matches the reference code's depth=5 expansion steps.
-    On a 2-core CPU a float32 forward costs nearly in proportion to its tokens, so small trees
-    win there: with head v3 on all 80 MT-bench first turns (128 tokens, one shared baseline run),
-    6/2/3 gave 1.09x of `generate` (tau 1.83), 5/3/2 1.04x (1.78), 8/3/3 1.01x (1.94).
+    Defaults are for a float32 target on a CPU; the paper's GPU setting is total_tokens=60,
+    depth=6, top_k=10 (`TreeSettings.gpu()`), which matches the reference code's depth=5
+    expansion steps. On a 2-core CPU every extra row of the verify pass and every draft step
+    costs real time, so small trees win: with head v3 on 8 MT-bench questions (128 tokens, one
+    shared `generate` run, AMD EPYC, rowgemm's few-row products) 4/2/2 gave 1.46x of `generate`
+    (tau 1.68), 4/2/3 1.40x, 4/3/2 1.38x, 5/3/2 1.24x, 3/2/1 and 4/3/1 (chains) 1.21x, and in an
+    earlier run 4/2/2 1.41x, 5/2/2 1.31x, 6/2/3 1.20x, 8/3/3 1.14x, 7/3/2 1.06x.
     """
     shape: str = "dynamic"          # dynamic | static | chain
-    total_tokens: int = 6           # tree size including the root (the verify batch)
+    total_tokens: int = 4           # tree size including the root (the verify batch)
     depth: int = 2
-    top_k: int = 3
+    top_k: int = 2
     expand_by: str = "path"         # path (EAGLE-2) | node (ablation: the node's own confidence)
     rerank: bool = True             # False: ablation, keep the expanded nodes breadth-first
 
@@ -50,9 +52,10 @@ class TreeSettings:
         kind = torch.device(device).type
         if kind == "cuda":
             return cls.gpu()
-        if kind != "cpu" or (dtype in (torch.bfloat16, torch.float16) and has_amx()):
-            return cls.cpu_half()
-        # float32 on any CPU, and bf16/fp16 on CPUs without AMX (where extra rows cost even more)
+        if kind != "cpu" or (dtype in (torch.bfloat16, torch.float16) and rows_are_cheap(device, dtype)):
+            return cls.cpu_half()  # half precision where extra rows are nearly free (AMX, mps)
+        # float32 on any CPU (rowgemm makes rows cheaper, but each still costs), and bf16/fp16
+        # on CPUs without AMX, where every row costs in full
         return cls()
 
     def validate(self) -> None:

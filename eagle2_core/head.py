@@ -24,6 +24,7 @@ from torch import nn
 from transformers import LlamaConfig, Qwen2Config
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
 from .rowgemm import linear_rows, make_row_linears
 
 HEAD_WEIGHTS = ("model.safetensors", "pytorch_model.bin")

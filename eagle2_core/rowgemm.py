@@ -69,10 +69,10 @@ def make_row_linears(module: nn.Module) -> nn.Module:
 def row_linears(linears: list[nn.Linear]):
     """Route a model we do not own (the target) through `linear_rows` only inside the block, so
     the model object is unchanged for everything else, Hugging Face `generate` included."""
-    for m in linears:
-        m.forward = RowLinear.forward.__get__(m)
     try:
-        yield
-    finally:
         for m in linears:
-            del m.forward
+            m.forward = RowLinear.forward.__get__(m)
+        yield
+    finally:  # also after Ctrl-C mid-forward: the model must not keep our forward
+        for m in linears:
+            m.__dict__.pop("forward", None)

@@ -175,14 +175,14 @@ def test_tree_option_help_states_the_real_defaults():
 def test_tree_defaults_follow_device_and_dtype(monkeypatch):
     import torch
 
-    from eagle2_core import drafter
+    from eagle2_core import target
 
     for amx in (True, False):
-        monkeypatch.setattr(drafter, "has_amx", lambda: amx)
+        monkeypatch.setattr(target, "has_amx", lambda: amx)
         assert TreeSettings.for_device("cpu") == TreeSettings.for_device("cpu", torch.float32) == TreeSettings()
     # a bf16 target on a CPU gets the larger tree only where AMX makes extra rows cheap
-    monkeypatch.setattr(drafter, "has_amx", lambda: True)
+    monkeypatch.setattr(target, "has_amx", lambda: True)
     assert TreeSettings.for_device("cpu", torch.bfloat16) == TreeSettings.cpu_half() != TreeSettings()
-    monkeypatch.setattr(drafter, "has_amx", lambda: False)
+    monkeypatch.setattr(target, "has_amx", lambda: False)
     assert TreeSettings.for_device("cpu", torch.bfloat16) == TreeSettings()
     assert TreeSettings.for_device("cuda:0", torch.bfloat16) == TreeSettings.for_device("cuda", torch.float32) == TreeSettings.gpu()

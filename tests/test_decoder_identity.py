@@ -128,18 +128,24 @@ def test_greedy_identity(arch_env, shape, monkeypatch):
     assert hist[0] > 0, f"no cycle rejected every draft token: {hist}"
 
 
-def test_greedy_identity_with_one_lm_head_pass(arch_env):
-    """Where extra rows are cheap (GPU, bf16 on AMX) acceptance takes every tree row's logits in
-    one product instead of internal rows plus a leaf row; forced here on the float32 tiny models."""
+@pytest.mark.parametrize("rows_cheap", [True, False])
+def test_greedy_identity_for_both_lm_head_plans(arch_env, rows_cheap):
+    """Where extra rows are cheap (GPU, float32 CPU via rowgemm, bf16 on AMX) acceptance takes
+    every tree row's logits in one product; elsewhere internal rows first and a leaf row only
+    when the path ends there. Both are forced here on the float32 tiny models."""
     dec = Eagle2Decoder(arch_env["model"], arch_env["head"], tree=SHAPES["dynamic"])
-    dec.runner.rows_cheap = True
+    dec.runner.rows_cheap = rows_cheap
     rows_seen = []
     real_logits = dec.runner.logits
     dec.runner.logits = lambda h: rows_seen.append(h.shape[0]) or real_logits(h)
     for case in arch_env["cases"]:
         out, _ = dec.generate(case["ids"], GenerationSettings(max_new_tokens=case["n"], eos_token_ids=case["eos"]))
         assert out == case["ref"], case
-    assert max(rows_seen) == SHAPES["dynamic"].total_tokens  # whole trees went through lm_head at once
+    if rows_cheap:
+        assert max(rows_seen) == SHAPES["dynamic"].total_tokens  # whole trees went through lm_head at once
+    else:
+        # internal rows only, plus one-row leaf passes beyond the one prefill row per case
+        assert max(rows_seen) < SHAPES["dynamic"].total_tokens and rows_seen.count(1) > len(arch_env["cases"])
 
 
 def test_tree_variants_identity(tiny_lm, fitted_head):
