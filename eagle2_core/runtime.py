@@ -16,6 +16,7 @@ from .events import GenerationSettings
 from .head import DraftHead, HeadSpec
 from .loading import LoadedTarget, LoadError, default_head_for, load_draft_head, load_target
 from .prompts import encode_chat
+from .target import context_length
 from .vanilla import VanillaDecoder
 
 RANDOM_HEAD = "random"
@@ -82,8 +83,7 @@ class Runtime:
 
     @property
     def max_positions(self) -> int:
-        c = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
-        return getattr(c, "max_position_embeddings", None) or 1 << 30
+        return context_length(self.model.config)
 
     @property
     def head_is_random(self) -> bool:

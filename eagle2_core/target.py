@@ -27,6 +27,12 @@ def rows_are_cheap(device, dtype: torch.dtype | None) -> bool:
     return True
 
 
+def context_length(config) -> int:
+    """The model's position limit (its text config's max_position_embeddings), or no limit."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(c, "max_position_embeddings", None) or 1 << 30
+
+
 def has_amx() -> bool:
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(probe and probe())
@@ -45,7 +51,7 @@ class TargetRunner:
         # (rowgemm.py); one that already has an instance-level forward (an accelerate hook) is left alone.
         self.cpu_linears = [m for m in plain_linears(self.body)
                             if m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 and "forward" not in m.__dict__]
-        self.max_positions = getattr(self.config, "max_position_embeddings", None) or 1 << 30
+        self.max_positions = context_length(model.config)
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         layer_types = getattr(self.config, "layer_types", None) or []
         window = getattr(self.config, "sliding_window", None)
