@@ -114,13 +114,14 @@ class AnswerView:
 
 def compare_table(comp, title: str) -> Table:
     t = Table(title=title, title_justify="left", header_style="bold")
-    t.add_column("method")
+    t.add_column("method", no_wrap=True)
     t.add_column("tokens/s", justify="right")
     t.add_column("speedup\n(total)", justify="right")
     t.add_column("speedup\n(mean)", justify="right")
     t.add_column("tau", justify="right")
     t.add_column("identical", justify="right")
     t.add_column("acceptance by depth")
+    t.add_column("ms/step\ndraft+verify", justify="right")
     n = len(comp.items)
     for name, run in comp.runs.items():
         sp, mean, same = comp.speedup(name), comp.mean_speedup(name), comp.identical(name)
@@ -133,8 +134,18 @@ def compare_table(comp, title: str) -> Table:
             f"{run.total.tau:.2f}" if run.speculative else "",
             "" if base else ("-" if same is None else f"{same}/{n}"),
             fmt_depths(run.total.acceptance_by_depth, 6) if run.speculative else "",
+            fmt_step_ms(run.step_ms()),
         )
     return t
+
+
+def fmt_step_ms(ms: dict) -> str:
+    """`generate`: ms per token (one step each); a speculative method: draft + verify ms per cycle."""
+    if "ms_per_token" in ms:
+        return "" if ms["ms_per_token"] is None else f"{ms['ms_per_token']:.0f}"
+    if ms["draft_ms_per_cycle"] is None:
+        return "-"
+    return f"{ms['draft_ms_per_cycle']:.0f}+{ms['verify_ms_per_cycle']:.0f}"
 
 
 def error(console: Console, message: str, suffix: str = "") -> None:

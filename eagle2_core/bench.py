@@ -111,6 +111,17 @@ class MethodRun:
         w = self.wall_s
         return self.new_tokens / w if w > 0 else 0.0
 
+    def step_ms(self) -> dict:
+        """Where the time goes: ms per draft-and-verify cycle for a speculative method (prefill
+        apart), ms per new token for `generate` (its prefill included, as `generate` reports none)."""
+        tot = self.total
+        if not self.speculative:
+            return {"ms_per_token": round(1000 * tot.wall_s / tot.new_tokens, 2) if tot.new_tokens else None}
+        if not tot.cycles:
+            return {"draft_ms_per_cycle": None, "verify_ms_per_cycle": None, "prefill_s": round(tot.prefill_s, 4)}
+        return {"draft_ms_per_cycle": round(1000 * tot.draft_s / tot.cycles, 2), "verify_ms_per_cycle": round(1000 * tot.verify_s / tot.cycles, 2),
+                "prefill_s": round(tot.prefill_s, 4)}
+
 
 @dataclass
 class Comparison:
@@ -183,7 +194,7 @@ class Comparison:
     def method_dict(self, name: str) -> dict:
         run = self.runs[name]
         tot = run.total
-        d = {"tokens_per_s": round(run.tokens_per_s, 3), "new_tokens": run.new_tokens, "wall_time": round(run.wall_s, 4)}
+        d = {"tokens_per_s": round(run.tokens_per_s, 3), "new_tokens": run.new_tokens, "wall_time": round(run.wall_s, 4), **run.step_ms()}
         if run.speculative:
             d.update(tau=round(tot.tau, 4), acceptance_by_depth=[round(a, 4) for a in tot.acceptance_by_depth],
                      accepted_hist=tot.accepted_hist, verify_steps=tot.cycles,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from click.testing import CliRunner
 
@@ -23,6 +24,12 @@ def test_compare_json_keys(tmp_path, tiny_model_dir, tiny_head_dir):
     assert isinstance(d["speedup"], float) and isinstance(d["speedup_mean_ratio"], float)
     assert isinstance(d["vanilla"]["tokens_per_s"], float) and isinstance(d["eagle2"]["tokens_per_s"], float)
     assert d["eagle2"]["tau"] >= 1.0 and isinstance(d["eagle2"]["acceptance_by_depth"], list)
+    # Where the time goes: per-cycle draft and verify cost, within the method's wall time.
+    e, v = d["eagle2"], d["vanilla"]
+    assert e["draft_ms_per_cycle"] > 0 and e["verify_ms_per_cycle"] > 0
+    assert (e["draft_ms_per_cycle"] + e["verify_ms_per_cycle"]) * e["verify_steps"] / 1000 + e["prefill_s"] <= e["wall_time"] + 1e-3
+    assert v["ms_per_token"] == round(1000 * v["wall_time"] / v["new_tokens"], 2) and "draft_ms_per_cycle" not in v
+    assert re.search(r"\d+\+\d+ │", r.stdout)  # the eagle2 row's draft+verify cell
     assert len(d["per_prompt"]) == 2 and d["settings"]["generation"]["max_new_tokens"] == 6
     assert "vanilla" in r.stdout and "eagle2" in r.stdout and "2/2" in r.stdout
     assert d["per_category"] == {"writing": d["eagle2"]["per_category"]["writing"]}  # MT-bench's first two
