@@ -65,7 +65,7 @@ def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, 
     from eagle2_core.bench import build_methods, builtin_items, dataset_items, plot_comparison, run_comparison, split_by_context
     from eagle2_core.prompts import InputError, read_prompt_file
 
-    from .ui import compare_table, consoles, error, status
+    from .ui import compare_table, consoles, error, status, step_times_line
 
     out, err = consoles()
     if input_path and dataset:
@@ -132,6 +132,8 @@ def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, 
                 out.print(f"{name}: {item.key} {item.id!r} differs from vanilla from token {i}", style="yellow", markup=False, soft_wrap=True)
     elif vanilla:
         out.print("[dim]sampling: outputs are not expected to match token for token (same distribution, different draws)[/]")
+    if line := step_times_line(comp):
+        out.print(line, soft_wrap=True, highlight=False)
     cats = comp.per_category("eagle2")
     if cats:
         out.print("tau by category: " + ", ".join(f"{c} {v['tau']:.2f}" for c, v in cats.items()), soft_wrap=True)

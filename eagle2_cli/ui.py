@@ -121,7 +121,6 @@ def compare_table(comp, title: str) -> Table:
     t.add_column("tau", justify="right")
     t.add_column("identical", justify="right")
     t.add_column("acceptance by depth")
-    t.add_column("ms/step\ndraft+verify", justify="right")
     n = len(comp.items)
     for name, run in comp.runs.items():
         sp, mean, same = comp.speedup(name), comp.mean_speedup(name), comp.identical(name)
@@ -134,18 +133,22 @@ def compare_table(comp, title: str) -> Table:
             f"{run.total.tau:.2f}" if run.speculative else "",
             "" if base else ("-" if same is None else f"{same}/{n}"),
             fmt_depths(run.total.acceptance_by_depth, 6) if run.speculative else "",
-            fmt_step_ms(run.step_ms()),
         )
     return t
 
 
-def fmt_step_ms(ms: dict) -> str:
-    """`generate`: ms per token (one step each); a speculative method: draft + verify ms per cycle."""
-    if "ms_per_token" in ms:
-        return "" if ms["ms_per_token"] is None else f"{ms['ms_per_token']:.0f}"
-    if ms["draft_ms_per_cycle"] is None:
-        return "-"
-    return f"{ms['draft_ms_per_cycle']:.0f}+{ms['verify_ms_per_cycle']:.0f}"
+def step_times_line(comp) -> str:
+    """Where the time goes, one line under the table (it would not fit in 80 columns as a column):
+    ms per `generate` step, draft + verify ms per cycle for each speculative method."""
+    parts = []
+    for name, run in comp.runs.items():
+        ms = run.step_ms()
+        if "ms_per_token" in ms:
+            if ms["ms_per_token"] is not None:
+                parts.append(f"{name} {ms['ms_per_token']:.0f} per token")
+        elif ms["draft_ms_per_cycle"] is not None:
+            parts.append(f"{name} {ms['draft_ms_per_cycle']:.0f} draft + {ms['verify_ms_per_cycle']:.0f} verify per cycle")
+    return "ms: " + "; ".join(parts) if parts else ""
 
 
 def error(console: Console, message: str, suffix: str = "") -> None:
