@@ -143,7 +143,7 @@ def step_times_line(comp) -> str:
     parts = []
     for name, run in comp.runs.items():
         ms = run.step_ms()
-        if "ms_per_token" in ms:
+        if not run.speculative:
             if ms["ms_per_token"] is not None:
                 parts.append(f"{name} {ms['ms_per_token']:.0f} per token")
         elif ms["draft_ms_per_cycle"] is not None:

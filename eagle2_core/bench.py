@@ -115,11 +115,13 @@ class MethodRun:
         """Where the time goes: ms per draft-and-verify cycle for a speculative method (prefill
         apart), ms per new token for `generate` (its prefill included, as `generate` reports none)."""
         tot = self.total
+
+        def per(seconds: float, n: int) -> float | None:
+            return round(1000 * seconds / n, 2) if n else None
+
         if not self.speculative:
-            return {"ms_per_token": round(1000 * tot.wall_s / tot.new_tokens, 2) if tot.new_tokens else None}
-        if not tot.cycles:
-            return {"draft_ms_per_cycle": None, "verify_ms_per_cycle": None, "prefill_s": round(tot.prefill_s, 4)}
-        return {"draft_ms_per_cycle": round(1000 * tot.draft_s / tot.cycles, 2), "verify_ms_per_cycle": round(1000 * tot.verify_s / tot.cycles, 2),
+            return {"ms_per_token": per(tot.wall_s, tot.new_tokens)}
+        return {"draft_ms_per_cycle": per(tot.draft_s, tot.cycles), "verify_ms_per_cycle": per(tot.verify_s, tot.cycles),
                 "prefill_s": round(tot.prefill_s, 4)}
 
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from .events import GenerationSettings, StepEvent, StopChecker, Summary, collect
-from .target import model_eos_ids
+from .target import context_length, model_eos_ids
 
 
 class VanillaDecoder:
@@ -26,7 +26,7 @@ class VanillaDecoder:
         dev = self.model.get_output_embeddings().weight.device
         ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=dev).view(1, -1)
         eos = sorted(gen.eos_token_ids if gen.eos_token_ids is not None else model_eos_ids(self.model, self.tokenizer))
-        max_pos = getattr(self.model.config.get_text_config(), "max_position_embeddings", None) or 1 << 30
+        max_pos = context_length(self.model.config)
         max_new = max(0, min(gen.max_new_tokens, max_pos - ids.shape[1]))
         kw = dict(max_new_tokens=max_new, eos_token_id=eos or None, pad_token_id=(eos[0] if eos else 0),
                   attention_mask=torch.ones_like(ids), **self.extra)
