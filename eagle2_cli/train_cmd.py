@@ -10,7 +10,9 @@ import click
 @click.option("--model", "-m", default=None, metavar="MODEL", help="Target: hub id, local folder or .gguf (default: the embedded SmolLM2).")
 @click.option("--data", "-d", "data", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="ShareGPT JSON/JSONL, {'messages': [...]} JSONL or {'prompt': ...} JSONL; repeatable.")
-@click.option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Folder for the head (EAGLE-1/2 format).")
+@click.option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Folder for the head (in the published format of its --arch).")
+@click.option("--arch", default="eagle2", show_default=True, type=click.Choice(["eagle2", "eagle3"]),
+              help="eagle2: EAGLE-1/2 head (last hidden state); eagle3: EAGLE-3 head (three fused target layers, TTT loss only).")
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None, help="Features and checkpoints (default: OUTPUT.work).")
 @click.option("--resume", is_flag=True, help="Continue a stopped run from its work folder.")
 @click.option("--self-distill/--no-self-distill", default=True, show_default=True, help="Let the target answer the prompts itself.")
@@ -18,6 +20,8 @@ import click
 @click.option("--distill-max-new-tokens", default=256, show_default=True)
 @click.option("--distill-batch", default=48, show_default=True, help="Prompts answered together (a GPU takes 256 or more).")
 @click.option("--original/--no-original", default=True, show_default=True, help="Also train on the data's own assistant turns.")
+@click.option("--original-tokens", default=None, type=int, help="Extract features for at most this many tokens of the data's own turns.")
+@click.option("--features-only", is_flag=True, help="Stop after feature extraction; the same command without it trains.")
 @click.option("--epochs", default=10, show_default=True)
 @click.option("--lr", default=5e-4, show_default=True)
 @click.option("--batch-tokens", default=2048, show_default=True)
@@ -31,13 +35,15 @@ import click
 @click.option("--device", default="auto", show_default=True)
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--seed", default=0, show_default=True)
-def train(model, data, output, work_dir, resume, self_distill, distill_prompts, distill_max_new_tokens, distill_batch, original, epochs, lr,
+def train(model, data, output, arch, work_dir, resume, self_distill, distill_prompts, distill_max_new_tokens, distill_batch, original,
+          original_tokens, features_only, epochs, lr,
           batch_tokens, max_len, ttt_steps, draft_vocab, init_head, time_budget, dtype, device, trust_remote_code, seed):
     """Train an EAGLE draft head for MODEL.
 
     \b
     Examples:
       eagle2 train --data sharegpt.json -o heads/smollm2
+      eagle2 train --arch eagle3 --data sharegpt.json -o heads/smollm2-eagle3
       eagle2 train --model Qwen/Qwen2.5-0.5B-Instruct --data prompts.jsonl --time-budget 60 -o heads/qwen
       eagle2 train ... --resume          # after Ctrl-C or a crash
     """
@@ -55,10 +61,11 @@ def train(model, data, output, work_dir, resume, self_distill, distill_prompts, 
         target = load_target(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     except LoadError as e:
         raise click.ClickException(str(e)) from None
-    cfg = TrainConfig(epochs=epochs, lr=lr, batch_tokens=batch_tokens, max_len=max_len, ttt_steps=ttt_steps, draft_vocab=draft_vocab,
+    cfg = TrainConfig(arch=arch, epochs=epochs, lr=lr, batch_tokens=batch_tokens, max_len=max_len, ttt_steps=ttt_steps, draft_vocab=draft_vocab,
                       seed=seed, time_budget_s=time_budget * 60 if time_budget else None, init_head=init_head)
     job = TrainJob(data=list(data), out_dir=output, work_dir=work_dir or output.rstrip("/") + ".work", self_distill=self_distill,
                    distill_prompts=distill_prompts, distill_max_new_tokens=distill_max_new_tokens, distill_batch=distill_batch, use_original=original,
+                   max_original_tokens=original_tokens, features_only=features_only,
                    max_len=max_len, seed=seed, config=cfg)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=console)
@@ -80,5 +87,7 @@ def train(model, data, output, work_dir, resume, self_distill, distill_prompts, 
         raise SystemExit(130) from None
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
+    if result.get("features_only"):
+        return
     console.print(f"head saved to {os.path.abspath(result['out_dir'])}: best held-out tau {result['best_tau']:.2f}, "
                   f"{result['tokens_seen']} tokens seen in {result['train_s'] / 60:.1f} min of training")

@@ -14,14 +14,13 @@ import torch
 from .accept import accept_greedy, accept_sampling
 from .drafter import Drafter, TreeSettings
 from .events import GenerationSettings, StepEvent, StopChecker, Summary, collect
-from .head import DraftHead
 from .kvcache import TreeKVCache, num_cache_layers
 from .sampling import make_warpers, target_probs
 from .target import TargetRunner
 
 
 class Eagle2Decoder:
-    def __init__(self, model, head: DraftHead, tokenizer=None, tree: TreeSettings | None = None):
+    def __init__(self, model, head, tokenizer=None, tree: TreeSettings | None = None):
         self.runner = TargetRunner(model)
         self.head = head
         self.tokenizer = tokenizer
@@ -42,13 +41,14 @@ class Eagle2Decoder:
         t0 = time.perf_counter()
 
         # Prefill: the target reads the prompt and picks the first token itself (the first root).
-        hidden = run.forward(ids, torch.arange(ids.numel(), device=dev), None, cache)
+        layers = self.head.feature_layers  # what the head reads: last hidden state, or EAGLE-3's fused layers
+        hidden, features = run.forward_features(ids, torch.arange(ids.numel(), device=dev), None, cache, layers)
         root = self._pick(run.logits(hidden[-1:]), warpers, rng)[0]
         summary.target_forwards, summary.prefill_s = 1, time.perf_counter() - t0
         emitted = stop.push([root])
         yield StepEvent(emitted, accepted=0, tree_size=1, draft_s=0.0, verify_s=summary.prefill_s)
         new_tokens = torch.cat([ids[1:], torch.tensor([root], device=dev)])  # pairs (f_t, x_{t+1})
-        new_features, start_pos = hidden, 0
+        new_features, start_pos = features, 0
 
         while not stop.done:
             t1 = time.perf_counter()
@@ -58,7 +58,7 @@ class Eagle2Decoder:
                                  budget=self.tree.total_tokens, max_depth=stop.remaining - 1)
             t2 = time.perf_counter()
             # Verify (paper section 3): all tree nodes in one forward; node i at position past + depth(i).
-            hidden = run.forward(tree.tokens, past + tree.depth, run.tree_mask(tree, past), cache)
+            hidden, features = run.forward_features(tree.tokens, past + tree.depth, run.tree_mask(tree, past), cache, layers)
             if gen.temperature > 0:
                 path, bonus = accept_sampling(tree, target_probs(run.logits(hidden), warpers), rng)
             else:
@@ -70,7 +70,7 @@ class Eagle2Decoder:
             new_tokens = torch.cat([tree.tokens[path_t[1:]], torch.tensor([bonus], device=dev)])
             emitted = stop.push(new_tokens.tolist())
             yield StepEvent(emitted, accepted=len(path) - 1, tree_size=tree.size, draft_s=t2 - t1, verify_s=t3 - t2)
-            new_features, start_pos, root = hidden[path_t], past, bonus
+            new_features, start_pos, root = features[path_t], past, bonus
 
         summary.finish(stop, time.perf_counter() - t0)
         yield summary

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .head import DraftHead
 from .kvcache import TreeKVCache
 from .target import rows_are_cheap
 from .tree import DraftTree, causal_attention_bias, choices_to_levels, chain_choices, rerank, select_expansion, static_choices, tree_from_parents
@@ -70,7 +69,7 @@ class TreeSettings:
 class Drafter:
     """Owns the draft head's KV cache for one generation and builds one tree per cycle."""
 
-    def __init__(self, head: DraftHead, settings: TreeSettings, capacity: int = 1024):
+    def __init__(self, head, settings: TreeSettings, capacity: int = 1024):
         settings.validate()
         self.head = head
         self.settings = settings
@@ -106,8 +105,10 @@ class Drafter:
         dev = new_tokens.device
         n = new_tokens.shape[0]
         ctx = self.cache.length
-        h = self.head(new_tokens[None], new_features[None], torch.arange(start_pos, start_pos + n, device=dev)[None],
-                      attention_mask=causal_attention_bias(n, ctx, new_features.dtype, dev), cache=self.cache)[0, -1:]
+        # Target features enter through `project` (EAGLE-3's fc; EAGLE-1/2 takes them as they are);
+        # deeper steps below feed the head's own output back.
+        h = self.head(new_tokens[None], self.head.project(new_features[None]), torch.arange(start_pos, start_pos + n, device=dev)[None],
+                      attention_mask=causal_attention_bias(n, ctx, self.head.fc.weight.dtype, dev), cache=self.cache)[0, -1:]
         ctx = self.cache.length
         logp = torch.log_softmax(self.head.draft_logits(h).float(), dim=-1)
         if budget <= 0 or depth <= 0:

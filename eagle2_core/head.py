@@ -139,7 +139,21 @@ class HeadSpec:
 
 
 class DraftHead(nn.Module):
-    """EAGLE-1/2 draft head. Call `bind(target_model)` before use to share embeddings and lm_head."""
+    """EAGLE-1/2 draft head. Call `bind(target_model)` before use to share embeddings and lm_head.
+
+    The interface every head kind offers the drafter, decoder and trainer (`eagle3.Eagle3Head`
+    is the other): `feature_layers` (None: the target's final-norm hidden state is the feature;
+    else the target layers whose inputs are fused), `project(target_features)` (the target
+    feature -> the state a draft step takes), `forward(tokens, state, positions, mask, cache)`
+    (one draft step; its output is the next step's state), `draft_logits(state)` over the draft
+    vocabulary, `to_target_ids(draft_ids)`, `objective` (the training loss's settings), `save`.
+    """
+
+    kind = "eagle2"
+    feature_layers = None
+    # Training objective (EAGLE section 3.2): smooth-L1 feature regression + 0.1 x cross-entropy,
+    # uniform noise on the input features.
+    objective = {"noise": 0.2, "v_weight": 1.0, "p_weight": 0.1, "renormalise": False}
 
     def __init__(self, spec: HeadSpec, draft_vocab: torch.Tensor | None = None):
         super().__init__()
@@ -182,6 +196,10 @@ class DraftHead(nn.Module):
         return self._shared[1]
 
     # -- compute --------------------------------------------------------------------------
+    def project(self, target_features: torch.Tensor) -> torch.Tensor:
+        """EAGLE-1/2 feeds the target's feature itself (its fc takes it with the embedding)."""
+        return target_features
+
     def forward(self, input_ids, features, position_ids, attention_mask=None, cache=None):
         """Draft hidden states for pairs (feature_t, token_{t+1}) at the given positions."""
         with torch.no_grad():
@@ -245,7 +263,7 @@ def read_head_folder(folder: str) -> tuple[HeadSpec, dict[str, torch.Tensor], to
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{folder}: no config.json; not an EAGLE draft head folder")
     with open(cfg_path) as f:
-        spec = HeadSpec.from_config_dict(json.load(f))
+        config = json.load(f)
     sd = None
     for name in HEAD_WEIGHTS:
         path = os.path.join(folder, name)
@@ -259,6 +277,9 @@ def read_head_folder(folder: str) -> tuple[HeadSpec, dict[str, torch.Tensor], to
             break
     if sd is None:
         raise FileNotFoundError(f"{folder}: no {' or '.join(HEAD_WEIGHTS)}")
+    from .eagle3 import Eagle3Spec, is_eagle3
+
+    spec = Eagle3Spec.from_config_dict(config) if is_eagle3(config, sd.keys()) else HeadSpec.from_config_dict(config)
     draft_vocab = None
     dv = os.path.join(folder, DRAFT_VOCAB_FILE)
     if os.path.isfile(dv):
@@ -273,8 +294,13 @@ def read_head_folder(folder: str) -> tuple[HeadSpec, dict[str, torch.Tensor], to
     return spec, sd, draft_vocab, meta
 
 
-def build_head(spec: HeadSpec, sd: dict[str, torch.Tensor], draft_vocab=None, where: str = "draft head") -> DraftHead:
-    """Instantiate a head and load weights, naming any missing, unexpected or misshapen key."""
+def build_head(spec: HeadSpec, sd: dict[str, torch.Tensor], draft_vocab=None, where: str = "draft head"):
+    """Instantiate a head of the spec's kind and load weights, naming any missing, unexpected or
+    misshapen key (an EAGLE-3 head's draft vocabulary is in its weights, `d2t`)."""
+    from .eagle3 import Eagle3Spec, build_eagle3_head
+
+    if isinstance(spec, Eagle3Spec):
+        return build_eagle3_head(spec, sd, where)
     head = DraftHead(spec, draft_vocab)
     own = head.head_state_dict()
     emb = sd.get("embed_tokens.weight")
@@ -295,10 +321,17 @@ def build_head(spec: HeadSpec, sd: dict[str, torch.Tensor], draft_vocab=None, wh
     return head
 
 
-def load_head_folder(folder: str, target_model=None) -> DraftHead:
+def check_fits(spec: HeadSpec, target_model, where: str = "draft head") -> None:
+    """Either kind of head against a target: hidden size, vocabulary (and EAGLE-3's layers)."""
+    from .eagle3 import Eagle3Spec, check_eagle3_fits
+
+    (check_eagle3_fits if isinstance(spec, Eagle3Spec) else check_head_fits)(spec, target_model, where)
+
+
+def load_head_folder(folder: str, target_model=None):
     spec, sd, draft_vocab, meta = read_head_folder(folder)
     if target_model is not None:
-        check_head_fits(spec, target_model, where=f"draft head {folder}")
+        check_fits(spec, target_model, where=f"draft head {folder}")
     head = build_head(spec, sd, draft_vocab, where=f"draft head {folder}")
     head.metadata = meta
     if target_model is not None:

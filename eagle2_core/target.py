@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from contextlib import contextmanager
+
 from .rowgemm import linear_rows, plain_linears, row_linears
 from .tree import DraftTree, causal_attention_bias, tree_attention_bias
 
@@ -75,12 +77,20 @@ class TargetRunner:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask, cache) -> torch.Tensor:
         """Run tokens [N] at absolute positions [N]; returns final-norm hidden states [N, H]."""
+        return self.forward_features(tokens, positions, mask, cache)[0]
+
+    def forward_features(self, tokens: torch.Tensor, positions: torch.Tensor, mask, cache,
+                         layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `forward`, plus the draft head's feature: the final-norm hidden state itself
+        (EAGLE-1/2, `layers` None) or the residual streams entering `layers`, concatenated low
+        to high (EAGLE-3 section 3.2: a low, a middle and a high layer), [N, len(layers) * H]."""
         if mask is None:  # plain causal append (prefill)
             past = cache.length
             mask = self._masks(lambda w: causal_attention_bias(tokens.numel(), past, self.dtype, tokens.device, w))
-        with row_linears(self.cpu_linears):
+        with row_linears(self.cpu_linears), capture_layer_inputs(self.body, layers) as seen:
             out = self.body(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask, cache=cache, use_cache=True)
-        return out.last_hidden_state[0]
+        hidden = out.last_hidden_state[0]
+        return hidden, (hidden if layers is None else fuse(seen, layers)[0])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head
@@ -96,6 +106,46 @@ class TargetRunner:
         if gen.eos_token_ids is not None:
             return set(gen.eos_token_ids)
         return model_eos_ids(self.model, tokenizer)
+
+
+def decoder_layers(body) -> torch.nn.ModuleList:
+    """The decoder body's layer stack (`model.layers` in every architecture transformers ships)."""
+    layers = getattr(body, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(body).__name__} has no .layers; EAGLE-3 features cannot be captured from it")
+    return layers
+
+
+@contextmanager
+def capture_layer_inputs(body, layers: tuple[int, ...] | None):
+    """Keep the hidden state entering each of `layers` during one forward of the stock body.
+
+    Forward pre-hooks on just those layers: nothing else is kept (no `output_hidden_states`,
+    which would hold every layer), and the hooks are gone after the block, so the model behaves
+    as before outside our own forwards (`generate` included). The input of layer k is what
+    transformers calls `hidden_states[k]`.
+    """
+    seen: dict[int, torch.Tensor] = {}
+    if not layers:
+        yield seen
+        return
+    stack = decoder_layers(body)
+
+    def keeper(k):
+        def hook(module, args, kwargs):
+            seen[k] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    handles = [stack[k].register_forward_pre_hook(keeper(k), with_kwargs=True) for k in sorted(set(layers))]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def fuse(seen: dict[int, torch.Tensor], layers: tuple[int, ...]) -> torch.Tensor:
+    return torch.cat([seen[k] for k in layers], dim=-1)
 
 
 def model_eos_ids(model, tokenizer) -> set[int]:

@@ -42,14 +42,14 @@ def build_tiny_tokenizer(folder: str, vocab_size: int = 320):
     return fast
 
 
-def build_tiny_model(folder: str, max_position_embeddings: int = 256, seed: int = 0):
-    """Save a 2-layer random Llama (hidden 64) plus tokenizer to `folder`; returns the config."""
+def build_tiny_model(folder: str, max_position_embeddings: int = 256, seed: int = 0, num_layers: int = 2):
+    """Save a random Llama (hidden 64, 2 layers unless told) plus tokenizer to `folder`; returns the config."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     os.makedirs(folder, exist_ok=True)
     tok = build_tiny_tokenizer(folder)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                       tie_word_embeddings=False)
@@ -143,25 +143,49 @@ def make_tiny_lm(arch: str = "llama", vocab_size: int = 12, max_position_embeddi
     return model.eval().requires_grad_(False)
 
 
-def distill_tiny_head(model, steps: int = 150, seed: int = 1, n_seq: int = 48, seq_len: int = 32, lr: float = 3e-3):
-    """A draft head fitted for a few seconds to `model`'s own sampled text, then bound to it.
+def tiny_eagle3_head(model, draft_ids: list[int] | None = None, seed: int = 1):
+    """A random EAGLE-3 head for `model` (which needs >= 7 layers), drafting over `draft_ids`
+    (target ids; None = the full vocabulary), bound to it."""
+    from eagle2_core.eagle3 import Eagle3Head, Eagle3Spec
+
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Spec.for_target(model.config, draft_vocab_size=len(draft_ids) if draft_ids else 0))
+    head.set_draft_vocab(torch.tensor(draft_ids) if draft_ids else None)
+    return head.bind(model)
+
+
+def distill_tiny_head(model, steps: int = 150, seed: int = 1, n_seq: int = 48, seq_len: int = 32, lr: float = 3e-3,
+                      arch: str = "eagle2", draft_ids: list[int] | None = None):
+    """A draft head (EAGLE-1/2, or EAGLE-3 with `arch="eagle3"`) fitted for a few seconds to
+    `model`'s own sampled text, then bound to it.
 
     A random head rarely drafts more than one matching token; a fitted one gets accepted paths
-    of every depth, so the tests exercise multi-token acceptance and KV compaction.
+    of every depth, so the tests exercise multi-token acceptance and KV compaction. Features
+    come from `output_hidden_states` here, independently of the engine's layer hooks.
     """
     from eagle2_core.head import DraftHead, HeadSpec
     from eagle2_core.tree import causal_attention_bias
 
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    head = DraftHead(HeadSpec.for_target(model.config)).bind(model)
+    if arch == "eagle3":
+        head = tiny_eagle3_head(model, draft_ids, seed)
+    else:
+        head = DraftHead(HeadSpec.for_target(model.config)).bind(model)
     vocab = model.get_output_embeddings().weight.shape[0]
     prompts = torch.randint(0, vocab, (n_seq, 4), generator=gen)
     with torch.no_grad():
         seqs = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, top_k=0, top_p=1.0,
                               max_new_tokens=seq_len - 4, pad_token_id=0, eos_token_id=None)
         out = model(seqs, output_hidden_states=True)
-        feats, target = out.hidden_states[-1], torch.softmax(out.logits.float(), -1)
+        if arch == "eagle3":
+            feats = torch.cat([out.hidden_states[k] for k in head.feature_layers], dim=-1)
+        else:
+            feats = out.hidden_states[-1]
+        target = torch.softmax(out.logits.float(), -1)
+        if arch == "eagle3":  # the target's law over the draft vocabulary
+            target = target[..., head.draft_ids()]
+            target = target / target.sum(-1, keepdim=True)
     inputs, feats, target = seqs[:, 1:], feats[:, :-1], target[:, 1:]  # pairs (f_t, x_{t+1}) -> p(. | x_<=t+1)
     pos = torch.arange(seq_len - 1)[None].expand(n_seq, -1)
     mask = causal_attention_bias(seq_len - 1, 0, torch.float32, "cpu")
@@ -169,7 +193,7 @@ def distill_tiny_head(model, steps: int = 150, seed: int = 1, n_seq: int = 48, s
     head.train()
     with torch.enable_grad():
         for _ in range(steps):
-            logp = torch.log_softmax(head.draft_logits(head(inputs, feats, pos, attention_mask=mask)), -1)
+            logp = torch.log_softmax(head.draft_logits(head(inputs, head.project(feats), pos, attention_mask=mask)), -1)
             loss = -(target * logp).sum(-1).mean()
             opt.zero_grad()
             loss.backward()

@@ -91,13 +91,13 @@ def test_greedy_identity(arch_env, shape, monkeypatch):
     from eagle2_core.target import TargetRunner
 
     max_pos = []  # no position at or beyond max_position_embeddings is ever computed (learned
-    real_forward = TargetRunner.forward  # absolute-position models would index out of range)
+    real_forward = TargetRunner.forward_features  # absolute-position models would index out of range)
 
-    def forward(self, tokens, positions, mask, cache):
+    def forward(self, tokens, positions, mask, cache, layers=None):
         max_pos.append(int(positions.max()))
-        return real_forward(self, tokens, positions, mask, cache)
+        return real_forward(self, tokens, positions, mask, cache, layers)
 
-    monkeypatch.setattr(TargetRunner, "forward", forward)
+    monkeypatch.setattr(TargetRunner, "forward_features", forward)
     dec = Eagle2Decoder(arch_env["model"], arch_env["head"], tree=SHAPES[shape])
     hist: list[int] = []
     cut_cycles = 0  # cycles whose emitted tokens were cut short by EOS

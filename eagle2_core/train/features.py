@@ -1,7 +1,9 @@
 """Feature extraction: run the frozen target once over the training data and cache what the head needs.
 
 Per token we keep the target's last hidden state after its final norm (the EAGLE-1/2 feature,
-bf16) and its top-k next-token probabilities (fp16 values, int32 ids). The top-32 hold over 90%
+bf16), with `layers` also the fused input of those layers (the EAGLE-3 feature, bf16, key
+`fused`), and its top-k next-token probabilities (fp16 values, int32 ids). One pass serves both
+kinds of head, so the two can be compared on exactly the same data. The top-32 hold over 90%
 of the probability mass on SmolLM2, so the distillation loss never touches the full lm_head
 during training, which was the dominant cost on a CPU. Shards are safetensors, written one at a
 time, so an interrupted extraction resumes at the next shard.
@@ -16,12 +18,12 @@ from collections.abc import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..target import TargetRunner
+from ..target import TargetRunner, capture_layer_inputs, fuse
 
 
 @torch.no_grad()
 def extract_features(model, samples: list[tuple[list[int], list[int]]], out_dir: str, shard_tokens: int = 65536, topk: int = 32,
-                     progress: Callable[[int, int], None] | None = None) -> int:
+                     progress: Callable[[int, int], None] | None = None, layers: tuple[int, ...] | None = None) -> int:
     """Write shards `features-00000.safetensors`...; returns the number of shards. Resumable."""
     os.makedirs(out_dir, exist_ok=True)
     runner = TargetRunner(model)
@@ -42,11 +44,14 @@ def extract_features(model, samples: list[tuple[list[int], list[int]]], out_dir:
             if progress:
                 progress(k + 1, total)
             continue
-        hid, ids, mask, pv, pi, lens = [], [], [], [], [], []
+        hid, fused, ids, mask, pv, pi, lens = [], [], [], [], [], [], []
         for seq, m in shard:
             x = torch.tensor(seq, device=runner.device)
-            out = runner.body(input_ids=x[None], use_cache=False)
+            with capture_layer_inputs(runner.body, layers) as seen:
+                out = runner.body(input_ids=x[None], use_cache=False)
             h = out.last_hidden_state[0]
+            if layers:
+                fused.append(fuse(seen, layers)[0].to(torch.bfloat16).cpu())
             probs = torch.softmax(runner.logits(h), dim=-1)
             v, i = torch.topk(probs, topk, dim=-1)
             hid.append(h.to(torch.bfloat16).cpu())
@@ -55,23 +60,38 @@ def extract_features(model, samples: list[tuple[list[int], list[int]]], out_dir:
             ids.append(x.cpu())
             mask.append(torch.tensor(m, dtype=torch.bool))
             lens.append(len(seq))
-        save_file({"hidden": torch.cat(hid), "input_ids": torch.cat(ids), "loss_mask": torch.cat(mask),
-                   "top_probs": torch.cat(pv), "top_ids": torch.cat(pi), "lengths": torch.tensor(lens)}, path + ".tmp")
+        record = {"hidden": torch.cat(hid), "input_ids": torch.cat(ids), "loss_mask": torch.cat(mask),
+                  "top_probs": torch.cat(pv), "top_ids": torch.cat(pi), "lengths": torch.tensor(lens)}
+        if layers:
+            record["fused"] = torch.cat(fused)
+        save_file(record, path + ".tmp", metadata={"layers": json.dumps(list(layers or []))})
         os.replace(path + ".tmp", path)
         if progress:
             progress(k + 1, total)
     with open(os.path.join(out_dir, "features.json"), "w") as f:
-        json.dump({"shards": total, "topk": topk, "tokens": sum(len(s[0]) for s in samples)}, f)
+        json.dump({"shards": total, "topk": topk, "tokens": sum(len(s[0]) for s in samples), "layers": list(layers or [])}, f)
     return total
 
 
-def load_features(out_dir: str) -> list[dict[str, torch.Tensor]]:
-    """All shards' sequences as a list of dicts (hidden, input_ids, loss_mask, top_probs, top_ids)."""
+def load_features(out_dir: str, keys: tuple[str, ...] = ("hidden", "input_ids", "loss_mask", "top_probs", "top_ids")) -> list[dict[str, torch.Tensor]]:
+    """All shards' sequences as a list of dicts with `keys` (`fused` for EAGLE-3 heads, whose
+    shards must have been extracted with their layers; `hidden` can then be left out)."""
     seqs = []
     for path in sorted(glob.glob(os.path.join(out_dir, "*.safetensors"))):
         d = load_file(path)
+        missing = [k for k in keys if k not in d]
+        if missing:
+            raise ValueError(f"{path}: no {', '.join(missing)} in these features (extracted for another kind of head); use a new --work-dir")
         start = 0
         for n in d["lengths"].tolist():
-            seqs.append({k: d[k][start : start + n] for k in ("hidden", "input_ids", "loss_mask", "top_probs", "top_ids")})
+            seqs.append({k: d[k][start : start + n] for k in keys})
             start += n
     return seqs
+
+
+def feature_layers_of(path: str) -> list[int]:
+    """The layers a shard's `fused` features were taken from ([] if none)."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        return json.loads((f.metadata() or {}).get("layers", "[]"))

@@ -21,7 +21,7 @@ from ..head import build_head
 from .data import ReadReport, first_user_prompts, read_conversations, render
 from .distill import self_distill
 from .features import extract_features, load_features
-from .trainer import TrainConfig, train_head
+from .trainer import TrainConfig, feature_key, feature_layers_for, train_head
 
 
 @dataclass
@@ -35,6 +35,8 @@ class TrainJob:
     distill_batch: int = 48
     distill_max_prompt_tokens: int = 256
     use_original: bool = True          # also train on the data's own assistant turns
+    max_original_tokens: int | None = None  # extract at most this many tokens of them (None: all)
+    features_only: bool = False        # stop after feature extraction (train later, or elsewhere)
     max_len: int = 1024
     eval_prompts: int = 8
     eval_max_new_tokens: int = 64
@@ -94,29 +96,53 @@ def run_training(target, job: TrainJob, resume: bool = False, log: Callable[[str
         r = tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True)
         eval_ids.append(list(r["input_ids"] if hasattr(r, "keys") else r))
 
-    feat_dir = os.path.join(job.work_dir, "features")
+    arch = job.config.arch
+    # EAGLE-3 features are the fused inputs of three target layers; their shards also keep the
+    # final hidden state, so one extraction serves both kinds of head.
+    layers = feature_layers_for(arch, model.config)
+    if layers:
+        from ..eagle3 import MIN_TARGET_LAYERS, num_target_layers
+
+        if num_target_layers(model.config) < MIN_TARGET_LAYERS:
+            raise ValueError(f"{target.name} has {num_target_layers(model.config)} layers; an EAGLE-3 head needs at least {MIN_TARGET_LAYERS}")
+    suffix = "-eagle3" if layers else ""
+    feat_dir = os.path.join(job.work_dir, "features" + suffix)
+    orig_dir = os.path.join(job.work_dir, "features-original" + suffix)
     if job.self_distill:
         _stage(log, "self-distillation (the target answers the prompts itself)")
         distill_prompts = prompts[: min(job.distill_prompts, len(prompts) - job.eval_prompts)]
-        self_distill(model, tok, distill_prompts, os.path.join(job.work_dir, "distill.jsonl"), batch_size=job.distill_batch,
+        self_distill(model, tok, distill_prompts, os.path.join(job.work_dir, f"distill{suffix}.jsonl"), batch_size=job.distill_batch,
                      max_new_tokens=job.distill_max_new_tokens, max_prompt_tokens=job.distill_max_prompt_tokens, feature_dir=feat_dir,
-                     progress=(lambda d, t: progress("distill", d, t, {})) if progress else None)
+                     progress=(lambda d, t: progress("distill", d, t, {})) if progress else None, layers=layers)
     if job.use_original:
         _stage(log, "feature extraction (the data's own assistant turns)")
-        samples = [r for r in (render(tok, c, job.max_len) for c in train_convs) if r and sum(r[1])]
-        extract_features(model, samples, os.path.join(job.work_dir, "features-original"),
+        samples = []
+        budget = job.max_original_tokens
+        for c in train_convs:
+            r = render(tok, c, job.max_len)
+            if r and sum(r[1]):
+                samples.append(r)
+                if budget is not None:
+                    budget -= len(r[0])
+                    if budget <= 0:
+                        break
+        extract_features(model, samples, orig_dir, layers=layers,
                          progress=(lambda d, t: progress("features", d, t, {})) if progress else None)
+    if job.features_only:
+        log(f"features in {job.work_dir}; train with the same command without --features-only")
+        return {"features_only": True, "work_dir": job.work_dir}
 
     _stage(log, "training")
     seqs = []
-    for d in (feat_dir, os.path.join(job.work_dir, "features-original")):
+    keys = (feature_key(arch), "input_ids", "loss_mask", "top_probs", "top_ids")
+    for d in (feat_dir, orig_dir):
         if os.path.isdir(d):
-            seqs += load_features(d)
+            seqs += load_features(d, keys)
     n_tokens = sum(len(s["input_ids"]) for s in seqs)
     log(f"{len(seqs)} sequences, {n_tokens} tokens")
-    meta = {"target": target.name, "data": job.data, "self_distill": job.self_distill, "training_tokens": n_tokens,
+    meta = {"arch": arch, "target": target.name, "data": job.data, "self_distill": job.self_distill, "training_tokens": n_tokens,
             "trained_with": "eagle2 train", "device": str(next(model.parameters()).device)}
-    state = train_head(model, seqs, job.out_dir, job.config, os.path.join(job.work_dir, "train"), resume=resume,
+    state = train_head(model, seqs, job.out_dir, job.config, os.path.join(job.work_dir, "train" + suffix), resume=resume,
                        eval_fn=held_out_eval(model, tok, eval_ids, job.eval_max_new_tokens), log=log,
                        progress=(lambda s, t, st: progress("train", s, t, st)) if progress else None, metadata=meta)
     result = {"steps": state.step, "epochs": state.epoch, "tokens_seen": state.tokens_seen, "train_s": round(state.train_s, 1),

@@ -1,8 +1,11 @@
-"""Training an EAGLE-1/2 draft head on cached target features.
+"""Training a draft head (EAGLE-1/2 or EAGLE-3) on cached target features.
 
-Objective (EAGLE paper, section 3.2): smooth-L1 regression of the next feature plus 0.1 x the
-cross-entropy against the target's next-token distribution, with uniform noise on the input
-features. Two additions, each there for a measured reason:
+The loss comes from the head (`head.objective`). EAGLE-1/2 (EAGLE paper, section 3.2): smooth-L1
+regression of the next feature plus 0.1 x the cross-entropy against the target's next-token
+distribution, with uniform noise on the input features. EAGLE-3 (its section 3.1): the
+cross-entropy alone, over steps of training-time test, renormalised over the draft vocabulary
+and counted where the target's top token is drafted. Two additions, each there for a measured
+reason:
   * the distribution term is computed over a pruned draft vocabulary (the most frequent target
     tokens) against the cached top-k target probabilities, so no step touches the full lm_head;
   * training-time test (EAGLE-3 section 3.3, HASS): steps j >= 1 feed the head its own predicted
@@ -23,19 +26,23 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..head import DraftHead, HeadSpec, build_head, check_head_fits, read_head_folder
+from ..eagle3 import Eagle3Head, Eagle3Spec, default_feature_layers, num_target_layers
+from ..head import DraftHead, HeadSpec, build_head, check_fits, read_head_folder
+
+ARCHS = ("eagle2", "eagle3")
 
 
 @dataclass
 class TrainConfig:
+    arch: str = "eagle2"          # eagle2: EAGLE-1/2 head and format; eagle3: EAGLE-3
     epochs: int = 10
     lr: float = 5e-4
     warmup_steps: int = 100
     batch_tokens: int = 2048
     max_len: int = 1024
-    noise: float = 0.2            # uniform noise on input features, relative to their RMS
-    p_weight: float = 0.1         # weight of the distribution loss (EAGLE: 0.1)
-    v_weight: float = 1.0         # weight of the feature regression
+    noise: float | None = None    # uniform noise on input features, relative to their RMS (None: the head's objective)
+    p_weight: float | None = None # weight of the distribution loss (None: EAGLE 0.1, EAGLE-3 1)
+    v_weight: float | None = None # weight of the feature regression (None: EAGLE 1, EAGLE-3 0)
     ttt_steps: int = 3            # 1 = plain EAGLE-1 training
     ttt_decay: float = 0.8        # weight of step j is decay**j
     draft_vocab: int = 16384      # 0 = full vocabulary
@@ -50,6 +57,35 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+    def loss_settings(self, head) -> dict:
+        """The head's objective, with any weight set explicitly in this config taking precedence."""
+        out = dict(head.objective)
+        out.update({k: getattr(self, k) for k in ("noise", "p_weight", "v_weight") if getattr(self, k) is not None})
+        return out
+
+
+def feature_key(arch: str) -> str:
+    """Which stored feature a head of this kind reads: the final hidden state or EAGLE-3's fused layers."""
+    return "fused" if arch == "eagle3" else "hidden"
+
+
+def feature_layers_for(arch: str, target_config) -> tuple[int, ...] | None:
+    return default_feature_layers(num_target_layers(target_config)) if arch == "eagle3" else None
+
+
+def new_head(arch: str, model, draft_vocab: torch.Tensor | None):
+    """A fresh head of the given kind shaped for `model`, bound to it, with its draft vocabulary."""
+    if arch not in ARCHS:
+        raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, not {arch!r}")
+    if arch == "eagle2":
+        return DraftHead(HeadSpec.for_target(model.config), draft_vocab).bind(model)
+    spec = Eagle3Spec.for_target(model.config, draft_vocab_size=len(draft_vocab) if draft_vocab is not None else 0)
+    head = Eagle3Head(spec)
+    head.set_draft_vocab(draft_vocab)
+    head.bind(model)
+    head.init_lm_head_from(model)
+    return head
 
 
 def build_draft_vocab(seqs: list[dict], size: int, always: set[int] = frozenset(), vocab_size: int | None = None) -> torch.Tensor | None:
@@ -93,10 +129,12 @@ def make_batches(seqs: list[dict], batch_tokens: int, max_len: int, rng: random.
     return batches
 
 
-def collate(seqs: list[dict], idx: list[int], max_len: int, t2d: torch.Tensor | None):
+def collate(seqs: list[dict], idx: list[int], max_len: int, t2d: torch.Tensor | None, key: str = "hidden"):
+    """Pad a batch: input features (`key`), next features for regression (`hidden`, when the
+    head regresses them, else empty), tokens, loss mask, valid mask, top-k labels."""
     L = max(min(len(seqs[i]["input_ids"]), max_len) for i in idx)
     B = len(idx)
-    H = seqs[idx[0]]["hidden"].shape[-1]
+    H = seqs[idx[0]][key].shape[-1]
     K = seqs[idx[0]]["top_ids"].shape[-1]
     feat = torch.zeros(B, L, H)
     ids = torch.zeros(B, L, dtype=torch.long)
@@ -107,7 +145,7 @@ def collate(seqs: list[dict], idx: list[int], max_len: int, t2d: torch.Tensor | 
     for b, i in enumerate(idx):
         s = seqs[i]
         n = min(len(s["input_ids"]), L)
-        feat[b, :n] = s["hidden"][:n].float()
+        feat[b, :n] = s[key][:n].float()
         ids[b, :n] = s["input_ids"][:n]
         mask[b, :n] = s["loss_mask"][:n]
         valid[b, :n] = True
@@ -136,38 +174,50 @@ def ttt_mask(L: int, step: int, valid: torch.Tensor, dtype) -> torch.Tensor:
     return bias.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
-def batch_loss(head: DraftHead, W: torch.Tensor, batch, cfg: TrainConfig, gen: torch.Generator) -> tuple[torch.Tensor, dict]:
+def batch_loss(head, batch, cfg: TrainConfig, gen: torch.Generator) -> tuple[torch.Tensor, dict]:
+    """Training-time test over `cfg.ttt_steps` unrolled draft steps; the loss is the head's objective."""
     from transformers import DynamicCache
 
     feat, ids, mask, valid, pv, pi = batch
+    obj = cfg.loss_settings(head)
     B, L, H = feat.shape
     # Pair a = (feature_a, token_{a+1}); predicts feature_{a+1} and the target's distribution there.
     in_feat, in_ids = feat[:, :-1], ids[:, 1:]
     tgt_feat, tgt_pv, tgt_pi = feat[:, 1:], pv[:, 1:], pi[:, 1:]
+    in_vocab = tgt_pi >= 0
     row_ok = (mask[:, 1:] & valid[:, 1:]).float()
+    if obj["renormalise"]:
+        # EAGLE-3: the target's distribution restricted to the draft vocabulary, renormalised,
+        # and only where the target's top token can be drafted at all.
+        tgt_pv = tgt_pv * in_vocab
+        tgt_pv = tgt_pv / tgt_pv.sum(-1, keepdim=True).clamp(min=1e-6)
+        row_ok = row_ok * in_vocab[..., 0]
     n = L - 1
-    rms = in_feat.pow(2).mean().sqrt()
-    in_feat = in_feat + (torch.rand(in_feat.shape, generator=gen, device=gen.device) - 0.5) * 2 * cfg.noise * rms
+    if obj["noise"]:
+        rms = in_feat.pow(2).mean().sqrt()
+        in_feat = in_feat + (torch.rand(in_feat.shape, generator=gen, device=gen.device) - 0.5) * 2 * obj["noise"] * rms
     pos = torch.arange(n, device=feat.device)[None].expand(B, n)
     cache = DynamicCache()
     total = torch.zeros((), device=feat.device)
     stats = {}
-    x = in_feat
+    x = head.project(in_feat)
     for j in range(cfg.ttt_steps):
         out = head(in_ids, x, pos, attention_mask=ttt_mask(n, j, valid[:, 1:], feat.dtype), cache=cache)
         w = row_ok.clone()
         w[:, :j] = 0
         denom = w.sum().clamp(min=1)
-        vloss = (F.smooth_l1_loss(out, tgt_feat, reduction="none").mean(-1) * w).sum() / denom
-        logq = torch.log_softmax(out @ W.T, dim=-1)
-        in_vocab = tgt_pi >= 0
+        logq = torch.log_softmax(head.draft_logits(out).float(), dim=-1)
         ce = -(logq.gather(-1, tgt_pi.clamp(min=0)) * tgt_pv * in_vocab).sum(-1)
         ploss = (ce * w).sum() / denom
+        step_loss = obj["p_weight"] * ploss
+        if obj["v_weight"]:
+            vloss = (F.smooth_l1_loss(out, tgt_feat, reduction="none").mean(-1) * w).sum() / denom
+            step_loss = step_loss + obj["v_weight"] * vloss
         top1 = (logq.argmax(-1) == tgt_pi[..., 0]) & in_vocab[..., 0]
         stats[f"acc{j}"] = ((top1.float() * w).sum() / denom).item()
-        total = total + (cfg.ttt_decay ** j) * (cfg.v_weight * vloss + cfg.p_weight * ploss)
+        total = total + (cfg.ttt_decay ** j) * step_loss
         if j == 0:
-            stats.update(vloss=vloss.item(), ploss=ploss.item())
+            stats.update(ploss=ploss.item(), **({"vloss": vloss.item()} if obj["v_weight"] else {}))
         # Next step's input at row a is this step's prediction at row a-1 (its parent's feature).
         x = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], dim=1)
     return total, stats
@@ -203,8 +253,16 @@ def init_from(head: DraftHead, folder: str, target_model) -> dict:
     Returns the starting head's metadata, whose compute counts towards the new head.
     """
     spec, sd, _, meta = read_head_folder(folder)
-    check_head_fits(spec, target_model, where=f"--init-head {folder}")
-    head.load_state_dict(build_head(spec, sd, where=f"--init-head {folder}").head_state_dict(), strict=False)
+    where = f"--init-head {folder}"
+    check_fits(spec, target_model, where=where)
+    start = build_head(spec, sd, where=where)
+    if start.kind != head.kind:
+        raise ValueError(f"{where} is an {start.kind} head; this run trains an {head.kind} head (--arch)")
+    own = start.head_state_dict()
+    if head.kind == "eagle3" and not torch.equal(start.d2t.cpu(), head.d2t.cpu()):
+        # The draft vocabulary comes from the data; the start head's lm_head rows fit only its own.
+        own = {k: v for k, v in own.items() if k not in ("d2t", "t2d", "lm_head.weight")}
+    head.load_state_dict(own, strict=False)
     return meta
 
 
@@ -217,6 +275,7 @@ def train_head(model, seqs: list[dict], out_dir: str, cfg: TrainConfig, work_dir
     ckpt_path = os.path.join(work_dir, "checkpoint.pt")
     spec = HeadSpec.for_target(model.config)
     state = TrainState()
+    key = feature_key(cfg.arch)
     vocab_path = os.path.join(work_dir, "draft_vocab.pt")
     if resume and os.path.exists(vocab_path):
         draft_vocab = torch.load(vocab_path, weights_only=True)
@@ -225,12 +284,11 @@ def train_head(model, seqs: list[dict], out_dir: str, cfg: TrainConfig, work_dir
 
         draft_vocab = build_draft_vocab(seqs, cfg.draft_vocab, model_eos_ids(model, None), spec.vocab_size)
         torch.save(draft_vocab, vocab_path)
-    head = DraftHead(spec, draft_vocab).bind(model)
+    head = new_head(cfg.arch, model, draft_vocab)
     head.float().train()  # fp32 master weights whatever the target's dtype; evaluation uses a copy in the target's
     dev = head.fc.weight.device
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # the head is small; TF32 costs no measurable accuracy here
-    W = head.draft_lm_head.float()
     t2d = None
     if draft_vocab is not None:
         t2d = torch.full((spec.vocab_size,), -1, dtype=torch.long)
@@ -281,14 +339,14 @@ def train_head(model, seqs: list[dict], out_dir: str, cfg: TrainConfig, work_dir
 
     gen = torch.Generator(device=dev).manual_seed(cfg.seed + state.step)
     try:
-        _loop(state, cfg, seqs, steps_per_epoch, total_steps, t2d, opt, lr_at, head, W, gen, params, progress, save_checkpoint, evaluate_and_keep)
+        _loop(state, cfg, seqs, steps_per_epoch, total_steps, t2d, opt, lr_at, head, key, gen, params, progress, save_checkpoint, evaluate_and_keep)
     except KeyboardInterrupt:
         save_checkpoint()  # Ctrl-C keeps everything up to the last finished step: --resume goes on from there
         raise
     return state
 
 
-def _loop(state, cfg, seqs, steps_per_epoch, total_steps, t2d, opt, lr_at, head, W, gen, params, progress, save_checkpoint, evaluate_and_keep):
+def _loop(state, cfg, seqs, steps_per_epoch, total_steps, t2d, opt, lr_at, head, key, gen, params, progress, save_checkpoint, evaluate_and_keep):
     stop = False
     while state.epoch < cfg.epochs and not stop:
         batches = make_batches(seqs, cfg.batch_tokens, cfg.max_len, random.Random(cfg.seed + state.epoch))
@@ -298,10 +356,10 @@ def _loop(state, cfg, seqs, steps_per_epoch, total_steps, t2d, opt, lr_at, head,
             if b_i < skip:
                 continue
             t0 = time.perf_counter()
-            batch = tuple(t.to(gen.device, non_blocking=True) for t in collate(seqs, idx, cfg.max_len, t2d))
+            batch = tuple(t.to(gen.device, non_blocking=True) for t in collate(seqs, idx, cfg.max_len, t2d, key))
             for g in opt.param_groups:
                 g["lr"] = lr_at(state.step)
-            loss, stats = batch_loss(head, W, batch, cfg, gen)
+            loss, stats = batch_loss(head, batch, cfg, gen)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
