@@ -46,6 +46,7 @@ def train(model, data, output, arch, work_dir, resume, self_distill, distill_pro
       eagle2 train --arch eagle3 --data sharegpt.json -o heads/smollm2-eagle3
       eagle2 train --model Qwen/Qwen2.5-0.5B-Instruct --data prompts.jsonl --time-budget 60 -o heads/qwen
       eagle2 train ... --resume          # after Ctrl-C or a crash
+      accelerate launch --multi_gpu --num_processes 4 $(which eagle2) train ...   # data parallel
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -54,7 +55,13 @@ def train(model, data, output, arch, work_dir, resume, self_distill, distill_pro
     from eagle2_core.train.pipeline import TrainJob, run_training
     from eagle2_core.train.trainer import TrainConfig
 
-    console = Console(stderr=True)
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    # Under `accelerate launch` / `torchrun` every process runs this command; the first one reports.
+    console = Console(stderr=True, quiet=rank != 0)
+    if device == "auto" and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        import torch
+
+        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
     if not data:
         raise click.UsageError("give training data with --data FILE (ShareGPT, messages or prompt JSONL)")
     try:

@@ -16,6 +16,7 @@ import torch
 
 from ..target import capture_layer_inputs, fuse, model_eos_ids
 from .data import _ids
+from .parallel import world
 
 
 @torch.no_grad()
@@ -100,9 +101,14 @@ def self_distill(model, tokenizer, prompts: list[list[dict]], out_path: str, bat
 
     With `feature_dir`, each batch's features are written there as one safetensors shard too.
     """
+    import glob
+
+    w = world(model.get_output_embeddings().weight.device)
     done: set[int] = set()
-    if os.path.exists(out_path):
-        with open(out_path) as f:
+    # Under a distributed launcher each process answers every size-th batch into a file of its
+    # own (OUT.rankN beside OUT); all of them count as done on resume.
+    for path in [p for p in [out_path] if os.path.exists(p)] + sorted(glob.glob(out_path + ".rank*")):
+        with open(path) as f:
             for line in f:
                 try:
                     done.add(json.loads(line)["idx"])
@@ -120,8 +126,8 @@ def self_distill(model, tokenizer, prompts: list[list[dict]], out_path: str, bat
     todo.sort(key=lambda x: len(x[1]))  # similar lengths per batch waste less padding
     written = 0
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    with open(out_path, "a") as f:
-        for b in range(0, len(todo), batch_size):
+    with open(out_path if w.main else f"{out_path}.rank{w.rank}", "a") as f:
+        for b in w.share(list(range(0, len(todo), batch_size))):
             batch = todo[b : b + batch_size]
             answers, records = generate_batch(model, [ids for _, ids in batch], eos, max_new_tokens, pad, layers=layers)
             if feature_dir:
@@ -132,7 +138,8 @@ def self_distill(model, tokenizer, prompts: list[list[dict]], out_path: str, bat
                 written += 1
             f.flush()
             if progress:
-                progress(len(done) + written, len(done) + len(todo))
+                progress(len(done) + written * w.size, len(done) + len(todo))
+    w.barrier()
     return written
 
 

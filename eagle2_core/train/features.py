@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..target import TargetRunner, capture_layer_inputs, fuse
+from .parallel import world
 
 
 @torch.no_grad()
@@ -38,8 +39,11 @@ def extract_features(model, samples: list[tuple[list[int], list[int]]], out_dir:
     if cur:
         shards.append(cur)
     total = len(shards)
+    w = world(runner.device)  # under a distributed launcher each process extracts every size-th shard
     for k, shard in enumerate(shards):
         path = os.path.join(out_dir, f"features-{k:05d}.safetensors")
+        if k % w.size != w.rank:
+            continue
         if os.path.exists(path):
             if progress:
                 progress(k + 1, total)
@@ -68,6 +72,9 @@ def extract_features(model, samples: list[tuple[list[int], list[int]]], out_dir:
         os.replace(path + ".tmp", path)
         if progress:
             progress(k + 1, total)
+    w.barrier()
+    if not w.main:
+        return total
     with open(os.path.join(out_dir, "features.json"), "w") as f:
         json.dump({"shards": total, "topk": topk, "tokens": sum(len(s[0]) for s in samples), "layers": list(layers or [])}, f)
     return total

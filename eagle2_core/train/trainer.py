@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from ..eagle3 import Eagle3Head, Eagle3Spec, default_feature_layers, num_target_layers
 from ..head import DraftHead, HeadSpec, build_head, check_fits, read_head_folder
+from .parallel import World, check_replicas_agree, sync_gradients, world
 
 ARCHS = ("eagle2", "eagle3")
 
@@ -269,7 +270,14 @@ def init_from(head: DraftHead, folder: str, target_model) -> dict:
 def train_head(model, seqs: list[dict], out_dir: str, cfg: TrainConfig, work_dir: str, resume: bool = False,
                eval_fn: Callable[[DraftHead], dict] | None = None, log: Callable[[str], None] = print,
                progress: Callable[[int, int, dict], None] | None = None, metadata: dict | None = None) -> TrainState:
-    """Train, checkpoint to work_dir every epoch (and on stop), save the best head to out_dir."""
+    """Train, checkpoint to work_dir every epoch (and on stop), save the best head to out_dir.
+
+    Under a distributed launcher (`parallel.py`) every process runs this with the same
+    arguments: each trains on its share of every batch, and only the first process evaluates,
+    logs and writes files."""
+    w = world(model.get_output_embeddings().weight.device)
+    if not w.main:
+        eval_fn, log, progress = None, (lambda m: None), None
     torch.manual_seed(cfg.seed)
     os.makedirs(work_dir, exist_ok=True)
     ckpt_path = os.path.join(work_dir, "checkpoint.pt")
@@ -283,7 +291,8 @@ def train_head(model, seqs: list[dict], out_dir: str, cfg: TrainConfig, work_dir
         from ..target import model_eos_ids
 
         draft_vocab = build_draft_vocab(seqs, cfg.draft_vocab, model_eos_ids(model, None), spec.vocab_size)
-        torch.save(draft_vocab, vocab_path)
+        if w.main:  # every process builds the same vocabulary from the same data
+            torch.save(draft_vocab, vocab_path)
     head = new_head(cfg.arch, model, draft_vocab)
     head.float().train()  # fp32 master weights whatever the target's dtype; evaluation uses a copy in the target's
     dev = head.fc.weight.device
@@ -319,10 +328,14 @@ def train_head(model, seqs: list[dict], out_dir: str, cfg: TrainConfig, work_dir
         return lr_schedule(cfg, step, total_steps, state.train_s)
 
     def save_checkpoint():
+        if not w.main:
+            return
         torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "state": json.dumps(asdict(state))}, ckpt_path + ".tmp")
         os.replace(ckpt_path + ".tmp", ckpt_path)
 
     def evaluate_and_keep(mean_loss: float):
+        if not w.main:
+            return
         result = eval_fn(head) if eval_fn else {}
         head.train()
         entry = {"epoch": state.epoch, "step": state.step, "tokens_seen": state.tokens_seen, "train_s": round(state.train_s, 1),
@@ -339,15 +352,19 @@ def train_head(model, seqs: list[dict], out_dir: str, cfg: TrainConfig, work_dir
 
     gen = torch.Generator(device=dev).manual_seed(cfg.seed + state.step)
     try:
-        _loop(state, cfg, seqs, steps_per_epoch, total_steps, t2d, opt, lr_at, head, key, gen, params, progress, save_checkpoint, evaluate_and_keep)
+        _loop(state, cfg, seqs, steps_per_epoch, total_steps, t2d, opt, lr_at, head, key, gen, params, progress,
+              save_checkpoint, evaluate_and_keep, w)
     except KeyboardInterrupt:
         save_checkpoint()  # Ctrl-C keeps everything up to the last finished step: --resume goes on from there
         raise
+    check_replicas_agree(w, params)
     return state
 
 
-def _loop(state, cfg, seqs, steps_per_epoch, total_steps, t2d, opt, lr_at, head, key, gen, params, progress, save_checkpoint, evaluate_and_keep):
+def _loop(state, cfg, seqs, steps_per_epoch, total_steps, t2d, opt, lr_at, head, key, gen, params, progress, save_checkpoint,
+          evaluate_and_keep, w: World):
     stop = False
+    carry = 0.0  # the previous step's time after the gradient sync (optimizer step), counted with this one
     while state.epoch < cfg.epochs and not stop:
         batches = make_batches(seqs, cfg.batch_tokens, cfg.max_len, random.Random(cfg.seed + state.epoch))
         skip = state.step - state.epoch * steps_per_epoch
@@ -356,20 +373,30 @@ def _loop(state, cfg, seqs, steps_per_epoch, total_steps, t2d, opt, lr_at, head,
             if b_i < skip:
                 continue
             t0 = time.perf_counter()
-            batch = tuple(t.to(gen.device, non_blocking=True) for t in collate(seqs, idx, cfg.max_len, t2d, key))
             for g in opt.param_groups:
                 g["lr"] = lr_at(state.step)
-            loss, stats = batch_loss(head, batch, cfg, gen)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            mine = w.share(idx)  # all of it in a single process
+            tokens, loss_v, stats = 0.0, 0.0, {}
+            if mine:
+                batch = tuple(t.to(gen.device, non_blocking=True) for t in collate(seqs, mine, cfg.max_len, t2d, key))
+                loss, stats = batch_loss(head, batch, cfg, gen)
+                loss.backward()
+                tokens, loss_v = float(batch[3].sum()), loss.item()
+            # One all-reduce: gradients, tokens, loss and time, so every process takes the same step
+            # and makes the same decisions (time budget, schedule) from the same numbers.
+            tokens, (loss_sum, dt_sum) = sync_gradients(w, params, tokens, [loss_v * tokens, time.perf_counter() - t0 + carry])
+            t1 = time.perf_counter()
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
+            carry = time.perf_counter() - t1
+            step_loss = loss_sum / max(tokens, 1.0)
             state.step += 1
-            state.tokens_seen += int(batch[3].sum())
-            state.train_s += time.perf_counter() - t0
-            losses.append(loss.item())
+            state.tokens_seen += int(tokens)
+            state.train_s += dt_sum / w.size
+            losses.append(step_loss)
             if progress:
-                progress(state.step, total_steps, dict(stats, loss=loss.item()))
+                progress(state.step, total_steps, dict(stats, loss=step_loss))
             if (cfg.time_budget_s and state.train_s >= cfg.time_budget_s) or (cfg.max_steps and state.step >= cfg.max_steps):
                 stop = True
                 break

@@ -1,0 +1,92 @@
+"""Data parallelism for `eagle2 train` under the launchers users already have.
+
+`accelerate launch --multi_gpu --num_processes N` (or `torchrun --nproc_per_node N`, or a
+multi-node launch) starts N copies of the same command with RANK / WORLD_SIZE set; each copy
+extracts its share of the feature shards, trains on its share of every batch, and the replicas
+stay identical by averaging gradients after each backward. There is no launcher of our own and
+no wrapper around the head: one all-reduce per step, of a flat buffer holding every gradient and
+the step's token count, so the step is the one a single process would take over the whole batch.
+On CPU-only machines the processes talk through gloo; on GPUs through NCCL.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
+    def share(self, items: list) -> list:
+        """This process's share of a list (every size-th item, from its rank)."""
+        return items[self.rank :: self.size]
+
+
+def world(device: str | torch.device | None = None) -> World:
+    """The process group this run is part of, started from the launcher's environment if needed."""
+    if dist.is_available() and dist.is_initialized():
+        return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1 or not dist.is_available():
+        return World()
+    on_gpu = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+    dist.init_process_group("nccl" if on_gpu else "gloo")
+    return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def sync_gradients(w: World, params: list[torch.Tensor], tokens: float, extras: list[float]) -> tuple[float, list[float]]:
+    """Replace each replica's gradients by the token-weighted mean over all replicas.
+
+    Each process's loss is a mean over its own `tokens`; weighting its gradient by that count
+    and dividing by the total gives the gradient of the mean over the whole batch. `extras`
+    (e.g. the loss times tokens, the step time) are summed along in the same all-reduce.
+    Returns (total tokens, summed extras). A process with no rows in this batch adds zeros.
+    """
+    if w.size == 1:
+        return tokens, extras
+    dev = params[0].device
+    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() * tokens for p in params]
+    flat = torch.cat(grads + [torch.tensor([tokens, *extras], dtype=grads[0].dtype, device=dev)])
+    dist.all_reduce(flat)
+    total = float(flat[-len(extras) - 1])
+    start = 0
+    for p in params:
+        n = p.numel()
+        g = flat[start : start + n].view_as(p) / max(total, 1.0)
+        if p.grad is None:
+            p.grad = g.clone()
+        else:
+            p.grad.copy_(g)
+        start += n
+    return total, flat[-len(extras):].tolist() if extras else []
+
+
+def check_replicas_agree(w: World, params: list[torch.Tensor]) -> None:
+    """After training, every replica must hold the same head (a missed sync would show here)."""
+    if w.size == 1:
+        return
+    local = torch.stack([p.detach().double().sum() for p in params]).cpu()
+    everyone = [torch.zeros_like(local) for _ in range(w.size)]
+    if dist.get_backend() == "nccl":
+        local_dev = local.to(params[0].device)
+        everyone = [torch.zeros_like(local_dev) for _ in range(w.size)]
+        dist.all_gather(everyone, local_dev)
+        everyone = [e.cpu() for e in everyone]
+    else:
+        dist.all_gather(everyone, local)
+    if not all(torch.allclose(e, everyone[0], rtol=1e-6, atol=1e-6) for e in everyone):
+        raise RuntimeError("data-parallel replicas of the head diverged; gradients were not synchronised")
