@@ -83,8 +83,11 @@ class ChatApp:
             return tps / self.calib.tokens_per_s, f"vs vanilla generate calibrated at {self.calib_when} ({self.calib.tokens_per_s:.1f} tok/s, {self.calib.new_tokens} tokens)"
         return None, "unknown: no vanilla baseline yet (/bench measures one)"
 
-    def _panel(self, summary, tree_size, vanilla=None, extra=None, title="EAGLE-2"):
+    def _panel(self, summary, tree_size, vanilla=None, extra=None, title=None):
         from .ui import stats_panel
+
+        if title is None:  # the decoding is EAGLE-2's dynamic tree whichever head drafts it
+            title = "EAGLE-2, EAGLE-3 head" if getattr(self.rt.head, "kind", "") == "eagle3" else "EAGLE-2"
 
         speedup, basis = self._basis(summary.tokens_per_s, vanilla)
         if self.compare and vanilla is None and self.calib is None:

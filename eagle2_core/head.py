@@ -279,7 +279,7 @@ def read_head_folder(folder: str) -> tuple[HeadSpec, dict[str, torch.Tensor], to
         raise FileNotFoundError(f"{folder}: no {' or '.join(HEAD_WEIGHTS)}")
     from .eagle3 import Eagle3Spec, is_eagle3
 
-    spec = Eagle3Spec.from_config_dict(config) if is_eagle3(config, sd.keys()) else HeadSpec.from_config_dict(config)
+    spec = Eagle3Spec.from_config_dict(config) if is_eagle3(config, sd.keys(), f"draft head {folder}") else HeadSpec.from_config_dict(config)
     draft_vocab = None
     dv = os.path.join(folder, DRAFT_VOCAB_FILE)
     if os.path.isfile(dv):
@@ -312,7 +312,7 @@ def build_head(spec: HeadSpec, sd: dict[str, torch.Tensor], draft_vocab=None, wh
         raise HeadMismatchError(f"{where}: missing tensors {missing[:4]}{' ...' if len(missing) > 4 else ''}; not an EAGLE-1/2 head?")
     unknown = sorted(set(sd) - set(own) - {"embed_tokens.weight"})
     if unknown:
-        raise HeadMismatchError(f"{where}: unexpected tensors {unknown[:4]} (EAGLE-3 heads are not supported yet)")
+        raise HeadMismatchError(f"{where}: unexpected tensors {unknown[:4]} for an EAGLE-1/2 head")
     for k, v in weights.items():
         if v.shape != own[k].shape:
             raise HeadMismatchError(f"{where}: {k} has shape {tuple(v.shape)}, expected {tuple(own[k].shape)} from its config.json")

@@ -92,6 +92,7 @@ class Runtime:
     def describe(self) -> dict:
         """Model, head, device, dtype and all settings, for reports (compare --json, chat /save)."""
         return {"model": self.target.name, "source": self.target.source, "draft": self.draft_name,
+                "head_kind": getattr(self.head, "kind", None),
                 "device": str(self.model.get_output_embeddings().weight.device),
                 "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
                 "generation": dataclasses.asdict(self.gen), "tree": dataclasses.asdict(self.tree)}

@@ -161,13 +161,18 @@ def test_mismatched_heads_fail_clearly(tmp_path, target, fmt):
 
 
 def test_unsupported_or_incomplete_heads(tmp_path, target):
-    folder = str(tmp_path / "eagle3")
+    folder = str(tmp_path / "mixed")
     sd = write_published_head(folder, "safetensors")
-    sd["midlayer.hidden_norm.weight"] = torch.ones(HIDDEN)
+    sd["midlayer.hidden_norm.weight"] = torch.ones(HIDDEN)  # an EAGLE-3 tensor in an EAGLE-1/2 head
     save_file(sd, os.path.join(folder, "model.safetensors"))
-    with pytest.raises(HeadMismatchError, match="unexpected tensors.*EAGLE-3"):
+    with pytest.raises(HeadMismatchError, match="mix EAGLE-1/2 tensors"):
         load_head_folder(folder, target)
     sd.pop("midlayer.hidden_norm.weight")
+    sd["layers.0.self_attn.rotary.weight"] = torch.ones(HIDDEN)
+    save_file(sd, os.path.join(folder, "model.safetensors"))
+    with pytest.raises(HeadMismatchError, match="unexpected tensors.*for an EAGLE-1/2 head"):
+        load_head_folder(folder, target)
+    sd.pop("layers.0.self_attn.rotary.weight")
     sd["embed_tokens.weight"] = torch.zeros(VOCAB + 1, HIDDEN)
     save_file(sd, os.path.join(folder, "model.safetensors"))
     with pytest.raises(HeadMismatchError, match="embed_tokens.weight has shape"):
