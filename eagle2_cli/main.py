@@ -39,8 +39,16 @@ def user_error_message(e: BaseException) -> str | None:
     return None
 
 
+class UserInputError(click.ClickException):
+    """Something the user handed us is wrong (model, head, file, option): one line, exit code 2,
+    as Click gives for a bad option."""
+
+    exit_code = 2
+
+
 class Eagle2Group(click.Group):
-    """Turns user-fixable errors into one `Error: ...` line (set EAGLE2_DEBUG=1 for the traceback)."""
+    """Turns user-fixable errors into one `Error: ...` line and exit code 2 (EAGLE2_DEBUG=1 or
+    --debug shows the traceback instead)."""
 
     def invoke(self, ctx):
         try:
@@ -51,11 +59,13 @@ class Eagle2Group(click.Group):
             msg = user_error_message(e)
             if msg is None or os.environ.get("EAGLE2_DEBUG"):
                 raise
-            raise click.ClickException(msg) from None
+            raise UserInputError(msg) from None
 
 
 @click.group(cls=Eagle2Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(_version(), "--version", "-V", prog_name="eagle2", message="%(prog)s %(version)s")
+@click.option("--debug", is_flag=True, expose_value=False, is_eager=True, help="Show tracebacks and library logs (or set EAGLE2_DEBUG=1).",
+              callback=lambda ctx, p, v: os.environ.__setitem__("EAGLE2_DEBUG", "1") if v else None)
 def cli():
     """Lossless EAGLE-2 speculative decoding for Hugging Face causal language models.
 

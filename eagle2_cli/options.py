@@ -68,10 +68,12 @@ def quiet_transformers() -> None:
 
     if os.environ.get("EAGLE2_DEBUG"):
         return
+    from huggingface_hub.utils import logging as hub_logging
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    hub_logging.set_verbosity_error()  # no "Retrying in 8s" lines before our own error when offline
 
 
 def _options(max_new_tokens: int):

@@ -64,10 +64,15 @@ def train(model, data, output, arch, work_dir, resume, self_distill, distill_pro
         device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
     if not data:
         raise click.UsageError("give training data with --data FILE (ShareGPT, messages or prompt JSONL)")
+    from .options import quiet_transformers
+
+    quiet_transformers()
     try:
         target = load_target(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     except LoadError as e:
-        raise click.ClickException(str(e)) from None
+        from .main import UserInputError
+
+        raise UserInputError(str(e)) from None
     cfg = TrainConfig(arch=arch, epochs=epochs, lr=lr, batch_tokens=batch_tokens, max_len=max_len, ttt_steps=ttt_steps, draft_vocab=draft_vocab,
                       seed=seed, time_budget_s=time_budget * 60 if time_budget else None, init_head=init_head)
     job = TrainJob(data=list(data), out_dir=output, work_dir=work_dir or output.rstrip("/") + ".work", self_distill=self_distill,
@@ -93,7 +98,9 @@ def train(model, data, output, arch, work_dir, resume, self_distill, distill_pro
         console.print(f"[yellow]stopped.[/] continue with the same command plus --resume (work folder {job.work_dir})")
         raise SystemExit(130) from None
     except (ValueError, OSError) as e:
-        raise click.ClickException(str(e)) from None
+        from .main import UserInputError
+
+        raise UserInputError(str(e)) from None
     if result.get("features_only"):
         return
     console.print(f"head saved to {os.path.abspath(result['out_dir'])}: best held-out tau {result['best_tau']:.2f}, "

@@ -257,40 +257,85 @@ def check_head_fits(spec: HeadSpec, target_model, where: str = "draft head") -> 
         raise HeadMismatchError(f"{where}: vocab_size {spec.vocab_size} does not match the target's lm_head rows {vocab}; this head was trained for another model")
 
 
+class HeadFileError(HeadMismatchError):
+    """A head folder's file is missing a field, is not valid JSON, or its weights are unreadable."""
+
+
+def read_json_file(path: str, what: str = "file") -> dict:
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise HeadFileError(f"{path}: the {what} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except UnicodeDecodeError:
+        raise HeadFileError(f"{path}: the {what} is not UTF-8 text") from None
+    if not isinstance(data, dict):
+        raise HeadFileError(f"{path}: the {what} must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+def read_weights(path: str) -> dict[str, torch.Tensor]:
+    """safetensors, or a weights-only `torch.load`: a pickle that would run code is refused, not run."""
+    name = os.path.basename(path)
+    if name.endswith(".safetensors"):
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(path)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise HeadFileError(f"{path}: the head's {name} is truncated or corrupt ({str(e).splitlines()[0][:80]})") from None
+    import pickle
+
+    for mmap in (True, False):  # mmap needs the zip format torch.save writes; older files load without it
+        try:
+            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            break
+        except pickle.UnpicklingError:
+            raise HeadFileError(f"{path}: not a weights-only checkpoint: refusing to unpickle code "
+                                "(convert it to model.safetensors where you trust its source)") from None
+        except (RuntimeError, EOFError, OSError, ValueError) as e:
+            if mmap and "mmap" in str(e):
+                continue
+            raise HeadFileError(f"{path}: the head's {name} is truncated or corrupt ({str(e).splitlines()[0][:80]})") from None
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise HeadFileError(f"{path}: holds no state dict of tensors; not an EAGLE head checkpoint")
+    return sd
+
+
 def read_head_folder(folder: str) -> tuple[HeadSpec, dict[str, torch.Tensor], torch.Tensor | None, dict]:
     """Read config, weights, optional draft vocabulary and metadata, safely (no pickle execution)."""
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{folder}: no config.json; not an EAGLE draft head folder")
-    with open(cfg_path) as f:
-        config = json.load(f)
+    config = read_json_file(cfg_path, "head's config.json")
     sd = None
     for name in HEAD_WEIGHTS:
         path = os.path.join(folder, name)
         if os.path.isfile(path):
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
-
-                sd = load_file(path)
-            else:
-                sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            sd = read_weights(path)
             break
     if sd is None:
         raise FileNotFoundError(f"{folder}: no {' or '.join(HEAD_WEIGHTS)}")
     from .eagle3 import Eagle3Spec, is_eagle3
 
-    spec = Eagle3Spec.from_config_dict(config) if is_eagle3(config, sd.keys(), f"draft head {folder}") else HeadSpec.from_config_dict(config)
+    try:
+        spec = Eagle3Spec.from_config_dict(config) if is_eagle3(config, sd.keys(), f"draft head {folder}") else HeadSpec.from_config_dict(config)
+    except KeyError as e:
+        raise HeadFileError(f"{cfg_path}: no {e.args[0]!r} field; not an EAGLE head config") from None
+    except (TypeError, ValueError) as e:
+        raise HeadFileError(f"{cfg_path}: a field has the wrong type ({e})") from None
     draft_vocab = None
     dv = os.path.join(folder, DRAFT_VOCAB_FILE)
     if os.path.isfile(dv):
-        from safetensors.torch import load_file
-
-        draft_vocab = load_file(dv)["draft_vocab"].long()
+        vocab = read_weights(dv)
+        if "draft_vocab" not in vocab:
+            raise HeadFileError(f"{dv}: no draft_vocab tensor")
+        draft_vocab = vocab["draft_vocab"].long()
     meta = {}
     mp = os.path.join(folder, METADATA_FILE)
     if os.path.isfile(mp):
-        with open(mp) as f:
-            meta = json.load(f)
+        meta = read_json_file(mp, METADATA_FILE)
     return spec, sd, draft_vocab, meta
 
 

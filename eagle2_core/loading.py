@@ -111,6 +111,8 @@ def resolve_model(name: str | None) -> tuple[str, str | None]:
         if not os.path.isfile(name):
             raise LoadError(f"{name}: no such GGUF file")
         return os.path.dirname(os.path.abspath(name)), os.path.basename(name)
+    if looks_like_path(name) and not os.path.exists(name):
+        raise LoadError(f"{name}: no such folder")
     return name, None
 
 
@@ -130,8 +132,12 @@ def _load_gguf(folder: str, gguf: str, dtype: torch.dtype):
         tok = AutoTokenizer.from_pretrained(cached)
         model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
         return model, tok, cached
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+    except (ValueError, OSError, KeyError, IndexError, EOFError, TypeError) as e:
+        # numpy's reshape of a cut tensor, a bad magic, a missing metadata key: all mean the file is not whole
+        raise LoadError(f"{os.path.join(folder, gguf)}: the GGUF file is truncated or corrupt ({str(e).splitlines()[0][:80]})") from None
     try:
         from safetensors.torch import save_model
 
@@ -216,11 +222,18 @@ def default_head_for(model_name: str | None) -> str | None:
     return local if local and os.path.isfile(os.path.join(local, "config.json")) else None
 
 
+def looks_like_path(name: str) -> bool:
+    """A value the user meant as a local path, never a hub id (`owner/name`)."""
+    return name.startswith((".", "/", "~")) or os.sep != "/" and os.sep in name or name.count("/") > 1
+
+
 def resolve_head_folder(name: str) -> str:
     if os.path.isdir(name):
         return name
     if os.path.exists(name):
         raise LoadError(f"{name}: a draft head is a folder (config.json + weights), not a file")
+    if looks_like_path(name):
+        raise LoadError(f"{name}: no such folder")
     if name.count("/") != 1:
         raise LoadError(f"{name}: no such folder, and not a hub id (owner/name)")
     from huggingface_hub import snapshot_download

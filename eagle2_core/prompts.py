@@ -219,9 +219,10 @@ def parse_line(text: str, line: int | None = None) -> PromptItem:
 def _open_text(path: str):
     if path == "-":
         return sys.stdin
+    # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first line
     if path.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return gzip.open(path, "rt", encoding="utf-8-sig")
+    return open(path, encoding="utf-8-sig")
 
 
 def read_prompt_file(path: str) -> Iterator[PromptItem | InputError]:
@@ -233,10 +234,14 @@ def read_prompt_file(path: str) -> Iterator[PromptItem | InputError]:
         raise FileNotFoundError(f"{path}: no such file")
     seen: dict[tuple, int] = {}
     f = _open_text(path)
+    lines = 0
     try:
         for n, text in enumerate(f, 1):
+            if n == 1 and text.startswith("\ufeff"):  # stdin is not opened by us: drop its BOM here
+                text = text[1:]
             if not text.strip():
                 continue
+            lines += 1
             try:
                 item = parse_line(text, n)
             except InputError as e:
@@ -250,9 +255,13 @@ def read_prompt_file(path: str) -> Iterator[PromptItem | InputError]:
             yield item
     except UnicodeDecodeError as e:
         raise InputError(f"not UTF-8 text ({e.reason})", path=path) from None
+    except (OSError, EOFError) as e:  # a cut .gz file
+        raise InputError(f"unreadable ({e})", path=path) from None
     finally:
         if f is not sys.stdin:
             f.close()
+    if not lines:
+        raise InputError("no prompts: the file is empty (or only blank lines)", path=path)
 
 
 def apply_overrides(gen, overrides: dict):

@@ -51,7 +51,7 @@ def test_completion_env_var_matches_file():
 
 
 def _one_line_error(r):
-    assert r.exit_code == 1, r.output + r.stderr
+    assert r.exit_code == 2, r.output + r.stderr  # input errors exit 2, as Click does for bad options
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("Error: "), r.stderr
     assert r.exception is None or isinstance(r.exception, SystemExit)
