@@ -17,7 +17,7 @@ stop may be set per line):
 
 \b
 Output lines echo the id with text (or turns), finish_reason, usage and metrics. Rerunning
-with the same -o skips ids already done; failed lines get {"id" or "line", "error"} records
+with the same -o skips ids already done; failed lines get {"id" (if any), "line", "error"} records
 and a stderr line, and the exit code is 1.
 
 \b
@@ -43,7 +43,7 @@ def generate(input_path, output_path, restart, no_progress, common):
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from eagle2_core.batch import OutputWriter, prepare_output, run_item
+    from eagle2_core.batch import OutputWriter, plan_resume, prepare_output, run_item, run_pending
     from eagle2_core.prompts import InputError, read_prompt_file
 
     from .ui import consoles, error
@@ -55,19 +55,9 @@ def generate(input_path, output_path, restart, no_progress, common):
         if restart:
             open(output_path, "w").close()
         done = prepare_output(output_path)
-    pending = [e for e in entries if isinstance(e, InputError) or e.ident not in done]
-    skipped = len(entries) - len(pending)
+    pending, skipped = plan_resume(entries, done)
     todo = sum(1 for e in pending if not isinstance(e, InputError))
-    failed = ok = 0
     writer = OutputWriter(output_path, sys.stdout)
-
-    def fail(e: InputError, console) -> None:
-        nonlocal failed
-        failed += 1
-        e.path = e.path or input_path
-        writer.write(e.record())
-        error(console, e.describe())
-
     if skipped:
         err.print(f"resuming {output_path}: {skipped} already done, {len(pending)} to go")
     rt = common.load(err) if todo else None
@@ -75,25 +65,23 @@ def generate(input_path, output_path, restart, no_progress, common):
     progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[rate]}"),
                         console=err, disable=no_progress or not err.is_terminal, transient=False)
-    tokens = 0
-    wall = 0.0
+    totals = {"tokens": 0, "wall": 0.0}
+
+    def on_fail(e: InputError) -> None:
+        e.path = e.path or input_path
+        error(progress.console, e.describe())
+        progress.update(task, advance=1)
+
+    def on_done(entry, rec) -> None:
+        totals["tokens"] += rec["usage"]["completion_tokens"]
+        totals["wall"] += rec["metrics"]["wall_time"]
+        rate = f"{totals['tokens'] / totals['wall']:.1f} tok/s" if totals["wall"] > 0 else ""
+        progress.update(task, advance=1, rate=rate)
+
     try:
         with progress:
             task = progress.add_task("generating", total=len(pending), rate="")
-            for entry in pending:
-                if isinstance(entry, InputError):
-                    fail(entry, progress.console)
-                else:
-                    try:
-                        rec = run_item(rt, decoder, entry, rt.gen)
-                    except InputError as e:
-                        fail(e, progress.console)
-                    else:
-                        writer.write(rec)
-                        ok += 1
-                        tokens += rec["usage"]["completion_tokens"]
-                        wall += rec["metrics"]["wall_time"]
-                progress.update(task, advance=1, rate=f"{tokens / wall:.1f} tok/s" if wall > 0 else "")
+            ok, failed = run_pending(pending, writer, lambda item: run_item(rt, decoder, item, rt.gen), on_fail, on_done)
     finally:
         writer.close()
     where = "" if output_path == "-" else f" -> {output_path}"

@@ -58,6 +58,37 @@ def prepare_output(path: str) -> set[tuple[str, str]]:
     return done
 
 
+def plan_resume(entries: list, done: set) -> tuple[list, int]:
+    """(entries still to run, how many are done): failed lines always run again."""
+    pending = [e for e in entries if isinstance(e, InputError) or e.ident not in done]
+    return pending, len(entries) - len(pending)
+
+
+def run_pending(pending: list, writer: "OutputWriter", process, on_fail=None, on_done=None) -> tuple[int, int]:
+    """One output record per pending entry, written as soon as it exists: `process(item)`'s
+    record, or the error record of a line that failed to parse or to run. Returns (ok, failed).
+    A kill at any point leaves whole records plus at most one torn line, which `prepare_output`
+    drops on the next run."""
+    ok = failed = 0
+    for entry in pending:
+        if not isinstance(entry, InputError):
+            try:
+                rec = process(entry)
+            except InputError as e:
+                entry = e
+            else:
+                writer.write(rec)
+                ok += 1
+                if on_done:
+                    on_done(entry, rec)
+                continue
+        failed += 1
+        writer.write(entry.record())
+        if on_fail:
+            on_fail(entry)
+    return ok, failed
+
+
 class OutputWriter:
     """Appends one JSON line per record and flushes it (and fsyncs) at once."""
 

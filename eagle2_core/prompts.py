@@ -41,7 +41,9 @@ class InputError(ValueError):
 
     def record(self) -> dict:
         """The output line for this failure: the id when known, else the line number."""
-        out: dict[str, Any] = {self.key: self.id} if self.key and self.key != "line" else {"line": self.line}
+        out: dict[str, Any] = {self.key: self.id} if self.key and self.key != "line" else {}
+        if self.line is not None:  # always: two failing lines may carry the same id
+            out["line"] = self.line
         if self.field:
             out["field"] = self.field
         out["error"] = self.message

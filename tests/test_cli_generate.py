@@ -107,6 +107,6 @@ def test_generate_subprocess(tmp_path, tiny_model_dir, tiny_head_dir):
     assert p.returncode == 1, p.stderr
     recs = read_jsonl(out)
     assert recs[0]["id"] == 1 and "text" in recs[0]
-    assert recs[1] == {"id": 2, "field": "prompt", "error": "must be a string, not list"}
+    assert recs[1] == {"id": 2, "line": 2, "field": "prompt", "error": "must be a string, not list"}
     assert f"error: {inp}:2: field 'prompt': must be a string, not list" in p.stderr
     assert "Traceback" not in p.stderr and "Loading weights" not in p.stderr
