@@ -88,8 +88,8 @@ class AnswerView:
             style = DRAFT_STYLE if (self.show_draft and from_draft) else ""
             parts = text.split("\n")
             for i, part in enumerate(parts):
-                if i > 0:  # a finished line goes above the live area for good
-                    self.live.console.print(self.line)
+                if i > 0:  # a finished line goes above the live area for good, wrapped at word
+                    self.live.console.print(self.line, soft_wrap=False)  # boundaries to the terminal width
                     self.line = Text()
                 self.line.append(part, style=style)
         if self.live is not None:

@@ -123,3 +123,55 @@ def test_answer_view_plain_mode():
         view.add([("a", True), ("b\nc", False)])
         view.set_stats("STATS")
     assert out.file.getvalue() == "ab\nc\n" and "STATS" in err.file.getvalue()
+
+
+PTY_SCRIPT = r"""
+import sys
+from eagle2_cli.ui import AnswerView, consoles
+out, err = consoles()
+words = ("speculative decoding drafts several tokens ahead and the target verifies them together " * 3).split()
+with AnswerView(out, err) as view:
+    for i, w in enumerate(words):
+        view.add([(w + " ", i % 2 == 0)])
+    view.add([("\nlast line", False)])
+"""
+
+
+def test_streamed_answer_wraps_at_word_boundaries_in_a_real_terminal(tmp_path):
+    """Through a pseudo-terminal 28 columns wide: every line of the streamed answer fits the
+    width and ends at a word boundary (no word is cut at the edge)."""
+    import fcntl
+    import os
+    import pty
+    import re
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 28, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env["TERM"] = "xterm"
+    p = subprocess.Popen([sys.executable, "-c", PTY_SCRIPT], stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 4096)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    p.wait(timeout=60)
+    os.close(master)
+    raw = b"".join(chunks).decode("utf-8", "replace")
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\r", "", raw)
+    lines = [ln.rstrip() for ln in text.split("\n") if ln.strip()]
+    words = set(("speculative decoding drafts several tokens ahead and the target verifies them together").split())
+    body = [ln for ln in lines if "last" not in ln]  # the live area redraws its last line in place
+    assert p.returncode == 0, raw
+    assert len(body) >= 6 and all(len(ln) <= 28 for ln in body), lines
+    bad = [w for ln in body for w in ln.split() if w not in words]
+    assert not bad, (bad, lines)  # every piece is a whole word
