@@ -276,7 +276,7 @@ def load_chat_template(path: str) -> str:
     """A Jinja chat template from a file: the raw template, or a JSON file with `chat_template`."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such chat template file")
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         text = f.read()
     if path.endswith(".json"):
         try:
@@ -288,8 +288,22 @@ def load_chat_template(path: str) -> str:
             tpl = next((t.get("template") for t in tpl if isinstance(t, dict) and t.get("name") == "default"), None)
         if not isinstance(tpl, str):
             raise InputError("no chat_template string in this JSON file", path=path, field="chat_template")
-        return tpl
+        text = tpl
+    check_template_syntax(text, path)
     return text
+
+
+def check_template_syntax(template: str, path: str) -> None:
+    """Compile the template now, so a typo is reported with its file and line before any model loads."""
+    try:
+        from jinja2 import TemplateSyntaxError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:  # transformers needs jinja2 for chat templates anyway
+        return
+    try:
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except TemplateSyntaxError as e:
+        raise InputError(f"chat template is not valid Jinja ({e.message})", path=path, line=e.lineno) from None
 
 
 def with_system(messages: list[dict], system_prompt: str | None) -> list[dict]:

@@ -134,3 +134,19 @@ def test_debug_shows_the_traceback(tiny_model_dir, head_copy):
     r = CliRunner().invoke(cli, ["--debug", "chat", "--prompt", "x", "--model", tiny_model_dir, "--draft", str(head_copy)])
     os.environ.pop("EAGLE2_DEBUG", None)
     assert r.exit_code != 0 and r.exception is not None and not isinstance(r.exception, SystemExit)
+
+
+def test_chat_template_with_a_syntax_error_names_file_and_line(tmp_path, tiny_model_dir):
+    t = tmp_path / "bad.jinja"
+    t.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
+    line = one_line(chat("--model", tiny_model_dir, "--draft", "random", "--chat-template", str(t)))
+    assert line.startswith(f"Error: {t}:2:") and "not valid Jinja" in line
+
+
+def test_very_long_prompt_line_parses(tmp_path):
+    from eagle2_core.prompts import read_prompt_file
+
+    p = tmp_path / "long.jsonl"
+    p.write_text(json.dumps({"id": "big", "prompt": "word " * 400_000}) + "\n")
+    (item,) = list(read_prompt_file(str(p)))
+    assert item.id == "big" and len(item.messages[0]["content"]) == 2_000_000
