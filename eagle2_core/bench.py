@@ -201,6 +201,8 @@ class Comparison:
             d.update(tau=round(tot.tau, 4), acceptance_by_depth=[round(a, 4) for a in tot.acceptance_by_depth],
                      accepted_hist=tot.accepted_hist, verify_steps=tot.cycles,
                      mean_tree_size=round(tot.tree_tokens / tot.cycles, 2) if tot.cycles else 0)
+            if tot.calibration:  # EAGLE-2 section 3: draft confidence against measured acceptance
+                d["calibration"] = tot.calibration
         if name != self.baseline:
             sp, mean = self.speedup(name), self.mean_speedup(name)
             d.update(speedup=None if sp is None else round(sp, 4), speedup_mean_ratio=None if mean is None else round(mean, 4),
@@ -228,6 +230,9 @@ class Comparison:
         cats = self.per_category(main)
         if cats:
             out["per_category"] = cats
+        calib = self.runs[main].total.calibration if self.runs[main].speculative else []
+        if calib:
+            out["calibration"] = calib
         out["per_prompt"] = [
             {item.key: item.id, **({"category": item.category} if item.category else {}),
              **{name: {"new_tokens": r.summaries[i].new_tokens, "tokens_per_s": round(r.summaries[i].tokens_per_s, 3),
@@ -312,7 +317,8 @@ def run_comparison(methods: dict[str, tuple[Decoder, bool]], items: list[PromptI
 
 
 def plot_comparison(comp: Comparison, path: str, name: str = "eagle2") -> None:
-    """Acceptance-length histogram and per-prompt speedup, to a PNG (needs matplotlib)."""
+    """Acceptance-length histogram, per-prompt speedup and the calibration figure (EAGLE-2
+    section 3: draft path confidence against the measured acceptance rate), to a PNG."""
     try:
         import matplotlib
 
@@ -322,7 +328,7 @@ def plot_comparison(comp: Comparison, path: str, name: str = "eagle2") -> None:
         raise RuntimeError("--plot needs matplotlib: pip install 'eagle2[plot]'") from None
     run = comp.runs[name]
     hist = run.total.accepted_hist
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(16, 4))
     a1.bar([i + 1 for i in range(len(hist))], hist, color="tab:blue")
     a1.set_xlabel("tokens per verify step (accepted draft + 1)")
     a1.set_ylabel("verify steps")
@@ -335,6 +341,15 @@ def plot_comparison(comp: Comparison, path: str, name: str = "eagle2") -> None:
     a2.set_ylabel(f"speedup over {comp.baseline}")
     sp = comp.speedup(name)
     a2.set_title(f"per-prompt speedup (total {sp:.2f}x)" if sp else "per-prompt speedup")
+    calib = run.total.calibration
+    a3.plot([0, 1], [0, 1], color="grey", lw=1, ls="--")
+    if calib:
+        a3.plot([b["confidence"] for b in calib], [b["accepted"] for b in calib], "o-", color="tab:orange")
+    a3.set_xlim(0, 1)
+    a3.set_ylim(0, 1)
+    a3.set_xlabel("draft path confidence (bin mean)")
+    a3.set_ylabel("accepted (fraction of nodes)")
+    a3.set_title("calibration")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

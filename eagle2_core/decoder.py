@@ -67,6 +67,7 @@ class Eagle2Decoder:
             cache.keep(past, path_t)  # accepted nodes' KV move into place; the rest is dropped
             t3 = time.perf_counter()
             summary.record_cycle(len(path) - 1, tree, t2 - t1, t3 - t2)
+            summary.record_calibration(tree, path_t)
             new_tokens = torch.cat([tree.tokens[path_t[1:]], torch.tensor([bonus], device=dev)])
             emitted = stop.push(new_tokens.tolist())
             yield StepEvent(emitted, accepted=len(path) - 1, tree_size=tree.size, draft_s=t2 - t1, verify_s=t3 - t2)

@@ -5,6 +5,9 @@ The CLI's live panel, `generate` output lines and the benchmarks read only these
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+CALIB_BINS = 10  # path-probability bins of the calibration table (0-0.1, ..., 0.9-1)
 
 
 @dataclass
@@ -41,6 +44,40 @@ class Summary:
     prefill_s: float = 0.0
     wall_s: float = 0.0
     finish_reason: str = ""
+    # Calibration (EAGLE-2 section 3): drafted nodes binned by path probability, and how many of
+    # each bin were on the accepted path. Tensors on the tree's device, read only when reported.
+    calib_nodes: Any = None         # torch tensors [CALIB_BINS]; torch is imported only where used
+    calib_accepted: Any = None
+    calib_conf: Any = None
+
+    def record_calibration(self, tree, path) -> None:
+        """Bin this cycle's drafted nodes by path probability; mark those on the accepted path."""
+        import torch
+
+        if tree.scores is None or tree.size < 2:
+            return
+        p = tree.scores[1:].float().exp()
+        b = (p * CALIB_BINS).long().clamp(0, CALIB_BINS - 1)
+        on_path = torch.zeros(tree.size, dtype=torch.float, device=p.device)
+        on_path[path] = 1.0
+        nodes = torch.bincount(b, minlength=CALIB_BINS).float()
+        acc = torch.bincount(b, weights=on_path[1:], minlength=CALIB_BINS)
+        conf = torch.bincount(b, weights=p, minlength=CALIB_BINS)
+        if self.calib_nodes is None:
+            self.calib_nodes, self.calib_accepted, self.calib_conf = nodes, acc, conf
+        else:
+            self.calib_nodes += nodes.to(self.calib_nodes.device)
+            self.calib_accepted += acc.to(self.calib_nodes.device)
+            self.calib_conf += conf.to(self.calib_nodes.device)
+
+    @property
+    def calibration(self) -> list[dict]:
+        """Bins with nodes: mean path probability (`confidence`), `nodes`, fraction `accepted`."""
+        if self.calib_nodes is None:
+            return []
+        n, a, c = (t.cpu().tolist() for t in (self.calib_nodes, self.calib_accepted, self.calib_conf))
+        return [{"bin": [i / CALIB_BINS, (i + 1) / CALIB_BINS], "confidence": round(c[i] / n[i], 4), "nodes": int(n[i]),
+                 "accepted": round(a[i] / n[i], 4)} for i in range(CALIB_BINS) if n[i]]
 
     def record_cycle(self, accepted: int, tree, draft_s: float, verify_s: float) -> None:
         self.cycles += 1
@@ -90,6 +127,14 @@ class Summary:
             while len(self.accepted_hist) <= i:
                 self.accepted_hist.append(0)
             self.accepted_hist[i] += n
+        if other.calib_nodes is not None:
+            if self.calib_nodes is None:
+                self.calib_nodes, self.calib_accepted, self.calib_conf = (t.clone() for t in (other.calib_nodes, other.calib_accepted, other.calib_conf))
+            else:
+                dev = self.calib_nodes.device
+                self.calib_nodes += other.calib_nodes.to(dev)
+                self.calib_accepted += other.calib_accepted.to(dev)
+                self.calib_conf += other.calib_conf.to(dev)
 
     def to_dict(self) -> dict:
         return {

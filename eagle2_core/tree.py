@@ -29,13 +29,15 @@ class DraftTree:
     parents: torch.Tensor     # [N] long, parents[0] == -1
     depth: torch.Tensor       # [N] long, root at depth 0
     ancestors: torch.Tensor   # [N, N] bool, [i, j] is True when j is i or an ancestor of i
+    scores: torch.Tensor | None = None  # [N] path log-prob of each node under the draft (root 0), dynamic trees only
 
     @property
     def size(self) -> int:
         return int(self.tokens.shape[0])
 
     def to(self, device) -> "DraftTree":
-        return DraftTree(*(t.to(device) for t in (self.tokens, self.parents, self.depth, self.ancestors)))
+        return DraftTree(*(None if t is None else t.to(device)
+                           for t in (self.tokens, self.parents, self.depth, self.ancestors, self.scores)))
 
 
 def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, max_depth: int | None = None) -> DraftTree:
@@ -97,7 +99,11 @@ def rerank(
     parents = remap[pool_parents[keep] + 1]
     tokens = torch.cat([root_token.view(1), pool_tokens[keep]])
     parents = torch.cat([torch.tensor([-1], device=parents.device), parents])
-    return tree_from_parents(tokens, parents, max_depth)
+    tree = tree_from_parents(tokens, parents, max_depth)
+    # Path scores travel with the tree: the paper's calibration check (section 3) compares them
+    # with what verification accepts.
+    tree.scores = torch.cat([torch.zeros(1, dtype=pool_scores.dtype, device=pool_scores.device), pool_scores[keep]])
+    return tree
 
 
 def static_choices(total_tokens: int, depth: int, top_k: int, decay: float = 0.45) -> list[tuple[int, ...]]:

@@ -350,3 +350,30 @@ def test_drafter_children_are_head_top_ranks(random_head, shape, monkeypatch):
             choices = static_choices(10, 3, 3) if shape == "static" else chain_choices(3)
             assert tree.size == len(choices) + 1
             assert p == [-1] + [0 if len(c) == 1 else choices.index(c[:-1]) + 1 for c in choices]
+
+
+def test_calibration_table_from_recorded_cycles():
+    """A hand-made example: two cycles of a 4-node dynamic tree with known path probabilities."""
+    import math
+
+    from eagle2_core.events import Summary
+    from eagle2_core.tree import tree_from_parents
+
+    def tree(probs):
+        t = tree_from_parents(torch.tensor([0, 1, 2, 3]), torch.tensor([-1, 0, 1, 0]))
+        t.scores = torch.tensor([0.0] + [math.log(p) for p in probs])
+        return t
+
+    s = Summary()
+    # cycle 1: nodes 0.95 (accepted), 0.55 (accepted, child of the first), 0.05 (a rejected sibling)
+    s.record_calibration(tree([0.95, 0.55, 0.05]), torch.tensor([0, 1, 2]))
+    # cycle 2: nodes 0.92 (rejected), 0.52 (rejected), 0.08 (accepted)
+    s.record_calibration(tree([0.92, 0.52, 0.08]), torch.tensor([0, 3]))
+    other = Summary()
+    other.merge(s)  # merging carries the bins
+    table = {tuple(b["bin"]): b for b in other.calibration}
+    assert set(table) == {(0.0, 0.1), (0.5, 0.6), (0.9, 1.0)}
+    assert table[(0.9, 1.0)]["nodes"] == 2 and table[(0.9, 1.0)]["accepted"] == 0.5
+    assert table[(0.9, 1.0)]["confidence"] == pytest.approx(0.935, abs=1e-4)
+    assert table[(0.5, 0.6)]["accepted"] == 0.5 and table[(0.0, 0.1)]["accepted"] == 0.5
+    assert Summary().calibration == []
