@@ -29,7 +29,7 @@ def _against(ctx, param, value):
     names = tuple(dict.fromkeys(v.strip().lower() for v in value.split(",") if v.strip()))
     bad = [n for n in names if n not in BASELINES and parse_tree_spec(n) is None]
     if bad:
-        raise click.BadParameter(f"unknown baseline {', '.join(bad)}; choose from {', '.join(BASELINES)} or tree:N/D/K")
+        raise click.BadParameter(f"unknown baseline {', '.join(bad)}; choose from {', '.join(BASELINES)}, tree:N/D/K or auto:N/D/K")
     for n in names:
         if (spec := parse_tree_spec(n)) is not None:
             try:
@@ -49,7 +49,8 @@ def _against(ctx, param, value):
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Use the first N prompts.")
 @click.option("--against", callback=_against, default="", metavar="LIST",
               help="Extra methods in the same run: pld (prompt lookup), sps (assisted generation, needs --assistant), static, chain, "
-                   "tree:N/D/K (the dynamic tree with N tokens, depth D, top-k K; repeatable to sweep tree sizes).")
+                   "tree:N/D/K (the dynamic tree with N tokens, depth D, top-k K; repeatable to sweep tree sizes), "
+                   "auto or auto:N/D/K (the tree size chosen every cycle, up to N, from measured costs).")
 @click.option("--assistant", default=None, metavar="MODEL", help="Small model for --against sps.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), default=None, help="Write the statistics as JSON ('-' for stdout).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="PNG: acceptance-length histogram and per-prompt speedup (needs matplotlib).")
@@ -107,6 +108,8 @@ def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, 
 
     t = rt.tree
     settings = {**rt.describe(), "source": source}
+    if any(getattr(d, "tree", None) is not None and d.tree.budget == "auto" for d, _ in methods.values()):
+        settings["cost_profile"] = rt.cost_profile().to_json()  # what the per-cycle budget chose from
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 

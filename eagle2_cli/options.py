@@ -26,7 +26,7 @@ class CommonOptions:
     top_k: int
     max_new_tokens: int
     seed: int | None
-    total_tokens: int | None
+    total_tokens: int | str | None
     depth: int | None
     tree_top_k: int | None
     draft_shape: str | None
@@ -76,6 +76,23 @@ def quiet_transformers() -> None:
     hub_logging.set_verbosity_error()  # no "Retrying in 8s" lines before our own error when offline
 
 
+class TreeSize(click.ParamType):
+    """An int >= 2, or `auto` (the per-cycle budget of eagle2_core/budget.py)."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            n = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a number nor 'auto'", param, ctx)
+        if n < 2:
+            self.fail(f"{n} is smaller than 2 (the root and one drafted token)", param, ctx)
+        return n
+
+
 def _options(max_new_tokens: int):
     o = click.option
     return [
@@ -95,7 +112,9 @@ def _options(max_new_tokens: int):
         o("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="Top-k sampling; 0 = off."),
         o("--max-new-tokens", "-n", type=click.IntRange(min=0), default=max_new_tokens, show_default=True, help="Token budget per answer."),
         o("--seed", type=int, default=None, help="Random seed for sampling."),
-        o("--total-tokens", type=click.IntRange(min=2), default=None, help="Draft tree size incl. root [CPU 4, CPU bf16 10, GPU 60]."),
+        o("--total-tokens", type=TreeSize(), default=None, metavar="N|auto",
+          help="Draft tree size incl. root [CPU 4, CPU bf16 10, GPU 60]; auto: chosen every cycle from the draft's "
+               "confidence and this machine's measured costs, up to 16 on CPU, 60 on GPU."),
         o("--depth", type=click.IntRange(min=1), default=None, help="Longest draft path [CPU 2, CPU bf16 3, GPU 6]."),
         o("--tree-top-k", type=click.IntRange(min=1), default=None, help="Children tried per expanded node [CPU 2, CPU bf16 4, GPU 10]."),
         o("--draft-shape", type=click.Choice(["dynamic", "static", "chain"]), default=None,

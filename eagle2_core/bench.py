@@ -243,13 +243,14 @@ class Comparison:
 
 
 Decoder = object  # anything with .generate(prompt_ids, GenerationSettings) -> (tokens, Summary)
-BASELINES = ("pld", "sps", "static", "chain")  # plus tree:N/D/K, see parse_tree_spec
+BASELINES = ("pld", "sps", "static", "chain", "auto")  # plus tree:N/D/K and auto:N/D/K, see parse_tree_spec
 PLD_TOKENS = 10
 
 
 def parse_tree_spec(name: str) -> tuple[int, int, int] | None:
-    """`tree:6/3/2` -> (total_tokens, depth, top_k); None if `name` is not a tree spec."""
-    m = re.fullmatch(r"tree:(\d+)/(\d+)/(\d+)", name)
+    """`tree:6/3/2` or `auto:16/3/4` -> (total_tokens, depth, top_k); None if not a tree spec.
+    `auto:` trees choose their size every cycle, up to the first number (budget.py)."""
+    m = re.fullmatch(r"(?:tree|auto):(\d+)/(\d+)/(\d+)", name)
     return tuple(int(g) for g in m.groups()) if m else None
 
 
@@ -271,12 +272,19 @@ def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=Non
             methods["sps"] = (runtime.vanilla(assistant_model=assistant_model), False)
         elif name in ("static", "chain"):
             methods[name] = (runtime.eagle(dataclasses.replace(runtime.tree, shape=name)), True)
+        elif name == "auto":  # the per-cycle budget with the run's own depth and top-k
+            from .runtime import AUTO_MAX_CPU, AUTO_MAX_GPU
+
+            cap = AUTO_MAX_GPU if runtime.model.get_output_embeddings().weight.device.type == "cuda" else AUTO_MAX_CPU
+            tree = dataclasses.replace(runtime.tree, shape="dynamic", budget="auto", total_tokens=max(cap, runtime.tree.total_tokens))
+            methods[name] = (runtime.eagle(tree), True)
         elif (spec := parse_tree_spec(name)) is not None:
-            tree = dataclasses.replace(runtime.tree, shape="dynamic", total_tokens=spec[0], depth=spec[1], top_k=spec[2])
+            tree = dataclasses.replace(runtime.tree, shape="dynamic", total_tokens=spec[0], depth=spec[1], top_k=spec[2],
+                                       budget="auto" if name.startswith("auto:") else "fixed")
             tree.validate()
             methods[name] = (runtime.eagle(tree), True)
         else:
-            raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)} or tree:N/D/K")
+            raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}, tree:N/D/K or auto:N/D/K")
     return methods
 
 

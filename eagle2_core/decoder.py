@@ -20,11 +20,16 @@ from .target import TargetRunner
 
 
 class Eagle2Decoder:
-    def __init__(self, model, head, tokenizer=None, tree: TreeSettings | None = None):
+    def __init__(self, model, head, tokenizer=None, tree: TreeSettings | None = None, costs=None):
         self.runner = TargetRunner(model)
         self.head = head
         self.tokenizer = tokenizer
         self.tree = tree or TreeSettings.for_device(self.runner.device, self.runner.dtype)
+        if self.tree.budget == "auto" and costs is None:
+            from .costs import load_or_measure
+
+            costs = load_or_measure(model, head)  # cached per machine, model, dtype and threads
+        self.costs = costs
 
     @torch.no_grad()
     def stream(self, prompt_ids, gen: GenerationSettings | None = None) -> Iterator[StepEvent | Summary]:
@@ -36,7 +41,7 @@ class Eagle2Decoder:
         rng = torch.Generator().manual_seed(gen.seed) if gen.seed is not None else None
         cap = min(run.max_positions, ids.numel() + gen.max_new_tokens + self.tree.total_tokens + 8)
         cache = TreeKVCache(num_cache_layers(run.model.config), cap)
-        drafter = Drafter(self.head, self.tree, cap)
+        drafter = Drafter(self.head, self.tree, cap, self.costs)
         summary = Summary(prompt_tokens=ids.numel())
         t0 = time.perf_counter()
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .budget import choose_budget
 from .kvcache import TreeKVCache
 from .target import rows_are_cheap
 from .tree import DraftTree, causal_attention_bias, choices_to_levels, chain_choices, rerank, select_expansion, static_choices, tree_from_parents
@@ -35,6 +36,8 @@ class TreeSettings:
     top_k: int = 2
     expand_by: str = "path"         # path (EAGLE-2) | node (ablation: the node's own confidence)
     rerank: bool = True             # False: ablation, keep the expanded nodes breadth-first
+    budget: str = "fixed"           # fixed: total_tokens every cycle; auto: per cycle, up to total_tokens,
+                                    # from the draft's confidence and the measured costs (budget.py)
 
     @classmethod
     def gpu(cls) -> "TreeSettings":
@@ -64,16 +67,25 @@ class TreeSettings:
             raise ValueError("total_tokens must be >= 2, depth >= 1 and top_k >= 1")
         if self.expand_by not in ("path", "node"):
             raise ValueError(f"expand_by must be path or node, not {self.expand_by!r}")
+        if self.budget not in ("fixed", "auto"):
+            raise ValueError(f"budget must be fixed or auto, not {self.budget!r}")
 
 
 class Drafter:
     """Owns the draft head's KV cache for one generation and builds one tree per cycle."""
 
-    def __init__(self, head, settings: TreeSettings, capacity: int = 1024):
+    def __init__(self, head, settings: TreeSettings, capacity: int = 1024, costs=None):
         settings.validate()
         self.head = head
         self.settings = settings
         self.cache = TreeKVCache(1, capacity)
+        # With budget="auto", a measured CostProfile: verify ms by rows, and this tree's drafting ms.
+        self.verify_ms = self.draft_ms = None
+        if settings.budget == "auto" and settings.shape == "dynamic":
+            if costs is None:
+                raise ValueError("budget='auto' needs a measured cost profile (costs.load_or_measure)")
+            self.verify_ms = costs.verify_table(settings.total_tokens)
+            self.draft_ms = costs.draft_step_ms(1) + (settings.depth - 1) * costs.draft_step_ms(settings.top_k)
         if settings.shape != "dynamic":
             choices = chain_choices(settings.depth) if settings.shape == "chain" else static_choices(settings.total_tokens, settings.depth, settings.top_k)
             self.levels = choices_to_levels(choices)
@@ -149,6 +161,11 @@ class Drafter:
             visible = torch.cat([visible[slot], torch.eye(k, dtype=torch.bool, device=ids.device)], dim=1)
             pool_size += k * k
         pool_tokens, pool_parents, pool_scores = torch.cat(pool_tokens), torch.cat(pool_parents), torch.cat(pool_scores)
+        if self.verify_ms is not None and self.settings.rerank:
+            # Per-cycle budget (budget.py): the reranked prefix that buys the most expected tokens
+            # (1 + sum of path probabilities, EAGLE-2 section 3) per measured ms.
+            best = torch.topk(pool_scores, min(budget, pool_size)).values
+            budget = choose_budget(best.exp(), self.verify_ms, self.draft_ms) - 1
         if not self.settings.rerank:
             # Ablation: the tree is just the nodes chosen during expansion, shallowest first.
             pool_scores = torch.where(torch.cat(pool_expanded), -torch.arange(pool_size, device=ids.device, dtype=torch.float), float("-inf"))

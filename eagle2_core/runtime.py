@@ -20,6 +20,7 @@ from .target import context_length
 from .vanilla import VanillaDecoder
 
 RANDOM_HEAD = "random"
+AUTO_MAX_CPU, AUTO_MAX_GPU = 16, 60  # the largest tree `--total-tokens auto` may choose
 
 
 def random_head(target: LoadedTarget, seed: int = 0) -> DraftHead:
@@ -65,7 +66,12 @@ class Runtime:
                              load_in_4bit=load_in_4bit, trust_remote_code=trust_remote_code)
         head = load_head(draft, target) if need_head else None
         out = target.model.get_output_embeddings().weight
-        settings = dataclasses.replace(TreeSettings.for_device(out.device, out.dtype), **{k: v for k, v in (tree or {}).items() if v is not None})
+        tree = dict(tree or {})
+        base = TreeSettings.for_device(out.device, out.dtype)
+        if tree.get("total_tokens") == "auto":
+            # The per-cycle budget chooses up to this many nodes; where rows cost, it keeps fewer.
+            tree.update(budget="auto", total_tokens=max(base.total_tokens, AUTO_MAX_GPU if out.device.type == "cuda" else AUTO_MAX_CPU))
+        settings = dataclasses.replace(base, **{k: v for k, v in tree.items() if v is not None})
         try:
             settings.validate()
         except ValueError as e:
@@ -106,7 +112,16 @@ class Runtime:
     def eagle(self, tree: TreeSettings | None = None) -> Eagle2Decoder:
         if self.head is None:
             raise LoadError("no draft head loaded")
-        return Eagle2Decoder(self.model, self.head, self.tokenizer, tree or self.tree)
+        tree = tree or self.tree
+        return Eagle2Decoder(self.model, self.head, self.tokenizer, tree, self.cost_profile() if tree.budget == "auto" else None)
+
+    def cost_profile(self, remeasure: bool = False):
+        """This machine's measured costs for this model and head (cached; `eagle2 tune` remeasures)."""
+        from .costs import load_or_measure
+
+        if remeasure or getattr(self, "_costs", None) is None:
+            self._costs = load_or_measure(self.model, self.head, remeasure=remeasure)
+        return self._costs
 
     def vanilla(self, **generate_kwargs) -> VanillaDecoder:
         return VanillaDecoder(self.model, self.tokenizer, **generate_kwargs)

@@ -1,0 +1,180 @@
+"""The machine's cost curve, measured: verify ms for n tree rows and draft ms for k rows.
+
+What a tree should look like depends on how a product of n rows costs against one row, and
+that differs by CPU (AVX2, AVX-512, AMX), dtype, thread count, library version and GPU. So it is
+measured, once per (model, dtype, device, threads, versions), in a few seconds, and cached as
+JSON under the cache folder; `eagle2 tune` measures again and prints it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+VERIFY_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+DRAFT_ROWS = (1, 2, 4, 8, 10)
+CONTEXT = 64  # committed tokens in the cache while measuring: a typical short prompt
+
+
+@dataclass
+class CostProfile:
+    key: dict
+    verify_ms: dict[int, float]             # rows -> ms of one target forward over that many tree rows
+    draft_ms: dict[int, float]              # rows -> ms of one draft step over that many nodes
+    measured_at: float = field(default_factory=time.time)
+
+    def verify_table(self, n_max: int) -> torch.Tensor:
+        """ms for every n = 1 .. n_max, linear between measured sizes (and beyond the last)."""
+        xs = sorted(self.verify_ms)
+        ys = [self.verify_ms[x] for x in xs]
+        out = []
+        for n in range(1, n_max + 1):
+            if n <= xs[0]:
+                out.append(ys[0])
+            elif n >= xs[-1]:
+                slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+                out.append(ys[-1] + max(0.0, slope) * (n - xs[-1]))
+            else:
+                j = next(i for i, x in enumerate(xs) if x >= n)
+                x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
+                out.append(y0 + (y1 - y0) * (n - x0) / (x1 - x0))
+        return torch.tensor(out, dtype=torch.float64)
+
+    def draft_step_ms(self, rows: int) -> float:
+        xs = sorted(self.draft_ms)
+        x = min(xs, key=lambda v: abs(v - rows))
+        return self.draft_ms[x]
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["verify_ms"] = {str(k): round(v, 3) for k, v in self.verify_ms.items()}
+        d["draft_ms"] = {str(k): round(v, 3) for k, v in self.draft_ms.items()}
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CostProfile":
+        return cls(key=d["key"], verify_ms={int(k): float(v) for k, v in d["verify_ms"].items()},
+                   draft_ms={int(k): float(v) for k, v in d["draft_ms"].items()}, measured_at=float(d.get("measured_at", 0)))
+
+
+def profile_key(model, head) -> dict:
+    import transformers
+
+    cfg = model.config.to_json_string(use_diff=False) if hasattr(model.config, "to_json_string") else str(model.config)
+    w = model.get_output_embeddings().weight
+    return {"model": hashlib.sha1(cfg.encode()).hexdigest()[:16], "dtype": str(w.dtype).replace("torch.", ""),
+            "device": str(w.device), "device_name": _device_name(w.device), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "head": f"{getattr(head, 'kind', 'eagle2')}:{head.spec.hidden_size}:{head_draft_rows(head)}"}
+
+
+def head_draft_rows(head) -> int:
+    """Rows of the product that scores the draft vocabulary (the head's dominant cost on small models)."""
+    w = head.lm_head.weight if getattr(head, "kind", "") == "eagle3" else head.draft_lm_head
+    return int(w.shape[0])
+
+
+def _device_name(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "cpu")
+    except OSError:
+        return "cpu"
+
+
+def _timed(fn, reps: int) -> float:
+    fn()  # warm-up
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return 1000 * times[len(times) // 2]
+
+
+@torch.no_grad()
+def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS, reps: int = 3) -> CostProfile:
+    """Time the target's tree forward (with lm_head over every row) and one draft step."""
+    from .kvcache import TreeKVCache, num_cache_layers
+    from .target import TargetRunner
+    from .tree import tree_from_parents
+
+    run = TargetRunner(model)
+    dev = run.device
+    ctx = torch.randint(0, min(1000, model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size),
+                        (CONTEXT,), device=dev)
+    cache = TreeKVCache(num_cache_layers(model.config), CONTEXT + max(verify_rows) + 8)
+    run.forward(ctx, torch.arange(CONTEXT, device=dev), None, cache)
+    verify = {}
+    for n in verify_rows:
+        parents = torch.arange(-1, n - 1, device=dev)  # a chain: the mask shape does not change the cost
+        tree = tree_from_parents(ctx[:n].clone(), parents)
+
+        def one():
+            h = run.forward(tree.tokens, CONTEXT + tree.depth, run.tree_mask(tree, CONTEXT), cache)
+            run.logits(h).argmax(-1)
+            cache.truncate(CONTEXT)
+
+        verify[n] = _timed(one, reps)
+    # One draft step over k nodes, with the committed context in the head's own cache.
+    from .tree import causal_attention_bias
+
+    dtype = head.fc.weight.dtype
+    hcache = TreeKVCache(1, CONTEXT + max(draft_rows) + 8)
+    state = torch.zeros(1, CONTEXT, head.spec.hidden_size, device=dev, dtype=dtype)
+    head(ctx[None], state, torch.arange(CONTEXT, device=dev)[None], attention_mask=causal_attention_bias(CONTEXT, 0, dtype, dev), cache=hcache)
+    draft = {}
+    for k in draft_rows:
+        allowed = torch.cat([torch.ones(k, CONTEXT, dtype=torch.bool, device=dev), torch.eye(k, dtype=torch.bool, device=dev)], 1)
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+        tokens = ctx[:k][None]
+        pos = torch.full((1, k), CONTEXT, device=dev)
+
+        def step():
+            h = head(tokens, state[:, :k], pos, attention_mask=bias, cache=hcache)
+            torch.topk(torch.log_softmax(head.draft_logits(h).float(), -1), 4, dim=-1)
+            hcache.truncate(CONTEXT)
+
+        draft[k] = _timed(step, reps)
+    return CostProfile(key=profile_key(model, head), verify_ms=verify, draft_ms=draft)
+
+
+def _cache_path(key: dict) -> str:
+    from .loading import cache_dir
+
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return os.path.join(cache_dir(), "profiles", f"{digest}.json")
+
+
+def load_or_measure(model, head, remeasure: bool = False) -> CostProfile:
+    """The cached profile for this (model, dtype, device, threads, versions), else a fresh one."""
+    key = profile_key(model, head)
+    path = _cache_path(key)
+    if not remeasure and os.path.isfile(path):
+        try:
+            with open(path) as f:
+                prof = CostProfile.from_json(json.load(f))
+            if prof.key == key:
+                return prof
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            warnings.warn(f"ignoring the unreadable cost profile {path} ({e}); measuring again", stacklevel=2)
+    prof = measure_profile(model, head)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(prof.to_json(), f, indent=1)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass  # a read-only cache only costs a few seconds next time
+    return prof
