@@ -1,8 +1,6 @@
 """`eagle2 compare`: Hugging Face generate vs EAGLE-2 (and other baselines) on the same prompts."""
 from __future__ import annotations
 
-import json
-
 import click
 
 from .options import common_options
@@ -66,7 +64,7 @@ def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, 
     from eagle2_core.bench import build_methods, builtin_items, dataset_items, plot_comparison, run_comparison, split_by_context
     from eagle2_core.prompts import InputError, read_prompt_file
 
-    from .ui import compare_table, consoles, error, status, step_times_line
+    from .ui import compare_table, consoles, error, status, step_times_line, write_json
 
     out, err = consoles()
     if input_path and dataset:
@@ -141,13 +139,7 @@ def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, 
     if cats:
         out.print("tau by category: " + ", ".join(f"{c} {v['tau']:.2f}" for c, v in cats.items()), soft_wrap=True)
     if json_path:
-        payload = json.dumps(comp.to_json(), indent=2)
-        if json_path == "-":
-            click.echo(payload)
-        else:
-            with open(json_path, "w") as f:
-                f.write(payload + "\n")
-            err.print(f"wrote {json_path}")
+        write_json(comp.to_json(), json_path, err)
     if plot_path:
         try:
             plot_comparison(comp, plot_path)

@@ -21,11 +21,9 @@ def tune(json_path, common):
       eagle2 tune
       eagle2 tune --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16 --json profile.json
     """
-    import json
-
     from rich.table import Table
 
-    from .ui import consoles, status
+    from .ui import consoles, status, write_json
 
     out, err = consoles()
     rt = common.load(err)
@@ -41,9 +39,4 @@ def tune(json_path, common):
     out.print(t)
     out.print("draft step ms by rows: " + ", ".join(f"{k}: {v:.1f}" for k, v in sorted(prof.draft_ms.items())), highlight=False)
     if json_path:
-        payload = json.dumps(prof.to_json(), indent=2)
-        if json_path == "-":
-            click.echo(payload)
-        else:
-            with open(json_path, "w") as f:
-                f.write(payload + "\n")
+        write_json(prof.to_json(), json_path, err)

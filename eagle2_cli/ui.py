@@ -156,3 +156,19 @@ def error(console: Console, message: str, suffix: str = "") -> None:
     from rich.markup import escape
 
     console.print(f"[red]error:[/] {escape(message)}{suffix}", soft_wrap=True, highlight=False)
+
+
+def write_json(data: dict, path: str, err=None) -> None:
+    """`--json FILE` for any command: indented JSON to the file, or to stdout for '-'."""
+    import json
+
+    import click
+
+    payload = json.dumps(data, indent=2)
+    if path == "-":
+        click.echo(payload)
+        return
+    with open(path, "w") as f:
+        f.write(payload + "\n")
+    if err is not None:
+        err.print(f"wrote {path}")
