@@ -262,7 +262,7 @@ def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=Non
     methods: dict[str, tuple[Decoder, bool]] = {}
     if vanilla:
         methods["vanilla"] = (runtime.vanilla(), False)
-    methods["eagle2"] = (runtime.eagle(), True)
+    methods["eagle2"] = (runtime.eagle(calibration=True), True)
     for name in against:
         if name == "pld":
             methods["pld"] = (runtime.vanilla(prompt_lookup_num_tokens=PLD_TOKENS), False)
@@ -271,18 +271,18 @@ def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=Non
                 raise ValueError("sps needs an assistant model")
             methods["sps"] = (runtime.vanilla(assistant_model=assistant_model), False)
         elif name in ("static", "chain"):
-            methods[name] = (runtime.eagle(dataclasses.replace(runtime.tree, shape=name)), True)
+            methods[name] = (runtime.eagle(dataclasses.replace(runtime.tree, shape=name), calibration=True), True)
         elif name == "auto":  # the per-cycle budget with the run's own depth and top-k
             from .runtime import AUTO_MAX_CPU, AUTO_MAX_GPU
 
             cap = AUTO_MAX_GPU if runtime.model.get_output_embeddings().weight.device.type == "cuda" else AUTO_MAX_CPU
             tree = dataclasses.replace(runtime.tree, shape="dynamic", budget="auto", total_tokens=max(cap, runtime.tree.total_tokens))
-            methods[name] = (runtime.eagle(tree), True)
+            methods[name] = (runtime.eagle(tree, calibration=True), True)
         elif (spec := parse_tree_spec(name)) is not None:
             tree = dataclasses.replace(runtime.tree, shape="dynamic", total_tokens=spec[0], depth=spec[1], top_k=spec[2],
                                        budget="auto" if name.startswith("auto:") else "fixed")
             tree.validate()
-            methods[name] = (runtime.eagle(tree), True)
+            methods[name] = (runtime.eagle(tree, calibration=True), True)
         else:
             raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}, tree:N/D/K or auto:N/D/K")
     return methods

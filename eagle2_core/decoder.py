@@ -20,7 +20,7 @@ from .target import TargetRunner
 
 
 class Eagle2Decoder:
-    def __init__(self, model, head, tokenizer=None, tree: TreeSettings | None = None, costs=None):
+    def __init__(self, model, head, tokenizer=None, tree: TreeSettings | None = None, costs=None, calibration: bool = False):
         self.runner = TargetRunner(model)
         self.head = head
         self.tokenizer = tokenizer
@@ -30,6 +30,7 @@ class Eagle2Decoder:
 
             costs = load_or_measure(model, head)  # cached per machine, model, dtype and threads
         self.costs = costs
+        self.calibration = calibration  # bin nodes by confidence vs acceptance (compare asks; chat and generate need not)
 
     @torch.no_grad()
     def stream(self, prompt_ids, gen: GenerationSettings | None = None) -> Iterator[StepEvent | Summary]:
@@ -72,7 +73,8 @@ class Eagle2Decoder:
             cache.keep(past, path_t)  # accepted nodes' KV move into place; the rest is dropped
             t3 = time.perf_counter()
             summary.record_cycle(len(path) - 1, tree, t2 - t1, t3 - t2)
-            summary.record_calibration(tree, path_t)
+            if self.calibration:
+                summary.record_calibration(tree, path_t)
             new_tokens = torch.cat([tree.tokens[path_t[1:]], torch.tensor([bonus], device=dev)])
             emitted = stop.push(new_tokens.tolist())
             yield StepEvent(emitted, accepted=len(path) - 1, tree_size=tree.size, draft_s=t2 - t1, verify_s=t3 - t2)

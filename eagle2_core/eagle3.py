@@ -22,6 +22,7 @@ differs from the target's carries its own `embed_tokens.weight`.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -67,12 +68,14 @@ class Eagle3Spec(HeadSpec):
 
     @classmethod
     def from_config_dict(cls, d: dict) -> "Eagle3Spec":
-        base = HeadSpec.from_config_dict(d)
         aux = d.get(AUX_LAYERS_KEY) or (d.get("eagle_config") or {}).get(AUX_LAYERS_KEY)
-        fields = {k: getattr(base, k) for k in HeadSpec.__dataclass_fields__}
-        fields.update(bias=False, qkv_bias=False)
-        return cls(**fields, draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
-                   target_hidden_size=d.get("target_hidden_size"), aux_layers=tuple(aux) if aux else None)
+        return cls.extend(HeadSpec.from_config_dict(d), qkv_bias=False, draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
+                          target_hidden_size=d.get("target_hidden_size"), aux_layers=tuple(aux) if aux else None)
+
+    @classmethod
+    def extend(cls, base: HeadSpec, **extra) -> "Eagle3Spec":
+        """An EAGLE-3 spec from the Llama fields of `base` (EAGLE-3 layers have no biases)."""
+        return cls(**{**dataclasses.asdict(base), "bias": False, **extra})
 
     def to_config_dict(self) -> dict:
         d = super().to_config_dict()
@@ -87,9 +90,7 @@ class Eagle3Spec(HeadSpec):
     @classmethod
     def for_target(cls, target_config, intermediate_size: int | None = None, draft_vocab_size: int = 0) -> "Eagle3Spec":
         base = HeadSpec.for_target(target_config, intermediate_size)
-        fields = {k: getattr(base, k) for k in HeadSpec.__dataclass_fields__}
-        fields.update(bias=False)
-        return cls(**fields, draft_vocab_size=draft_vocab_size or base.vocab_size)
+        return cls.extend(base, draft_vocab_size=draft_vocab_size or base.vocab_size)
 
 
 class Eagle3Layer(nn.Module):

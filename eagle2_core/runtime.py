@@ -6,7 +6,7 @@ trained head exists). No terminal code here.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +56,7 @@ class Runtime:
     system_prompt: str | None = None
     chat_template: str | None = None
     draft_name: str = ""
+    costs: object = field(default=None, repr=False)  # the measured CostProfile, loaded on first need
 
     @classmethod
     def load(cls, model: str | None = None, draft: str | None = None, *, dtype: str = "auto", device: str = "auto",
@@ -109,19 +110,20 @@ class Runtime:
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
-    def eagle(self, tree: TreeSettings | None = None) -> Eagle2Decoder:
+    def eagle(self, tree: TreeSettings | None = None, calibration: bool = False) -> Eagle2Decoder:
         if self.head is None:
             raise LoadError("no draft head loaded")
         tree = tree or self.tree
-        return Eagle2Decoder(self.model, self.head, self.tokenizer, tree, self.cost_profile() if tree.budget == "auto" else None)
+        return Eagle2Decoder(self.model, self.head, self.tokenizer, tree, self.cost_profile() if tree.budget == "auto" else None,
+                             calibration=calibration)
 
     def cost_profile(self, remeasure: bool = False):
         """This machine's measured costs for this model and head (cached; `eagle2 tune` remeasures)."""
         from .costs import load_or_measure
 
-        if remeasure or getattr(self, "_costs", None) is None:
-            self._costs = load_or_measure(self.model, self.head, remeasure=remeasure)
-        return self._costs
+        if remeasure or self.costs is None:
+            self.costs = load_or_measure(self.model, self.head, remeasure=remeasure)
+        return self.costs
 
     def vanilla(self, **generate_kwargs) -> VanillaDecoder:
         return VanillaDecoder(self.model, self.tokenizer, **generate_kwargs)

@@ -120,28 +120,34 @@ def test_train_end_to_end_then_decode_losslessly(tiny_target, tmp_path):
     assert out == ref
 
 
-def test_resume_after_interrupt_reaches_the_same_step_count(tiny_target, tmp_path):
-    from eagle2_core.train.features import load_features
-    from eagle2_core.train.trainer import TrainConfig, train_head
+def check_resume_reaches_the_same_step_count(target, tmp_path, cfg, layers=None, keys=None) -> None:
+    """Train fully; train again, interrupted at step 5, then resumed: same steps and epochs."""
     from eagle2_core.train.data import render
-    from eagle2_core.train.features import extract_features
+    from eagle2_core.train.features import extract_features, load_features
+    from eagle2_core.train.trainer import train_head
 
-    samples = [render(tiny_target.tokenizer, read_conversations_from(r)) for r in SHAREGPT * 6]
-    extract_features(tiny_target.model, samples, str(tmp_path / "feat"), shard_tokens=200)
-    seqs = load_features(str(tmp_path / "feat"))
-    cfg = TrainConfig(epochs=3, warmup_steps=2, batch_tokens=128, max_len=128, ttt_steps=2, draft_vocab=0)
-    full = train_head(tiny_target.model, seqs, str(tmp_path / "h_full"), cfg, str(tmp_path / "w_full"), log=lambda m: None)
+    samples = [render(target.tokenizer, read_conversations_from(r)) for r in SHAREGPT * 6]
+    extract_features(target.model, samples, str(tmp_path / "feat"), shard_tokens=200, layers=layers)
+    seqs = load_features(str(tmp_path / "feat"), *([keys] if keys else []))
+    full = train_head(target.model, seqs, str(tmp_path / "h_full"), cfg, str(tmp_path / "w_full"), log=lambda m: None)
 
     def interrupt(step, total, stats):
         if step == 5:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train_head(tiny_target.model, seqs, str(tmp_path / "h"), cfg, str(tmp_path / "w"), log=lambda m: None, progress=interrupt)
+        train_head(target.model, seqs, str(tmp_path / "h"), cfg, str(tmp_path / "w"), log=lambda m: None, progress=interrupt)
     assert os.path.exists(tmp_path / "w" / "checkpoint.pt")
-    resumed = train_head(tiny_target.model, seqs, str(tmp_path / "h"), cfg, str(tmp_path / "w"), resume=True, log=lambda m: None)
+    resumed = train_head(target.model, seqs, str(tmp_path / "h"), cfg, str(tmp_path / "w"), resume=True, log=lambda m: None)
     assert full.step > 5
     assert resumed.step == full.step and resumed.epoch == full.epoch == 3
+
+
+def test_resume_after_interrupt_reaches_the_same_step_count(tiny_target, tmp_path):
+    from eagle2_core.train.trainer import TrainConfig
+
+    check_resume_reaches_the_same_step_count(
+        tiny_target, tmp_path, TrainConfig(epochs=3, warmup_steps=2, batch_tokens=128, max_len=128, ttt_steps=2, draft_vocab=0))
 
 
 def test_training_time_test_mask_matches_tree_attention():

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from conftest import build_tiny_model
-from test_train import SHAREGPT, read_conversations_from, write_truncated_sharegpt
+from test_train import SHAREGPT, check_resume_reaches_the_same_step_count, read_conversations_from, write_truncated_sharegpt
 
 
 @pytest.fixture(scope="module")
@@ -92,24 +92,11 @@ def test_eagle3_objective_has_no_feature_regression_and_learns(tiny8_target, tmp
 
 
 def test_eagle3_resume_after_interrupt_reaches_the_same_step_count(tiny8_target, tmp_path):
-    from eagle2_core.train.data import render
-    from eagle2_core.train.features import extract_features, load_features
-    from eagle2_core.train.trainer import TrainConfig, train_head
+    from eagle2_core.train.trainer import TrainConfig
 
-    samples = [render(tiny8_target.tokenizer, read_conversations_from(r)) for r in SHAREGPT * 6]
-    extract_features(tiny8_target.model, samples, str(tmp_path / "feat"), shard_tokens=200, layers=(2, 4, 5))
-    seqs = load_features(str(tmp_path / "feat"), ("fused", "input_ids", "loss_mask", "top_probs", "top_ids"))
-    cfg = TrainConfig(arch="eagle3", epochs=3, warmup_steps=2, batch_tokens=128, max_len=128, ttt_steps=2, draft_vocab=40)
-    full = train_head(tiny8_target.model, seqs, str(tmp_path / "h_full"), cfg, str(tmp_path / "w_full"), log=lambda m: None)
-
-    def interrupt(step, total, stats):
-        if step == 5:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        train_head(tiny8_target.model, seqs, str(tmp_path / "h"), cfg, str(tmp_path / "w"), log=lambda m: None, progress=interrupt)
-    resumed = train_head(tiny8_target.model, seqs, str(tmp_path / "h"), cfg, str(tmp_path / "w"), resume=True, log=lambda m: None)
-    assert full.step > 5 and resumed.step == full.step and resumed.epoch == full.epoch == 3
+    check_resume_reaches_the_same_step_count(
+        tiny8_target, tmp_path, TrainConfig(arch="eagle3", epochs=3, warmup_steps=2, batch_tokens=128, max_len=128, ttt_steps=2, draft_vocab=40),
+        layers=(2, 4, 5), keys=("fused", "input_ids", "loss_mask", "top_probs", "top_ids"))
 
 
 def test_eagle2_work_folder_cannot_feed_an_eagle3_head(tiny8_target, tmp_path):

@@ -79,14 +79,10 @@ def check_replicas_agree(w: World, params: list[torch.Tensor]) -> None:
     """After training, every replica must hold the same head (a missed sync would show here)."""
     if w.size == 1:
         return
-    local = torch.stack([p.detach().double().sum() for p in params]).cpu()
+    # NCCL gathers device tensors, gloo host ones
+    dev = params[0].device if dist.get_backend() == "nccl" else torch.device("cpu")
+    local = torch.stack([p.detach().double().sum() for p in params]).to(dev)
     everyone = [torch.zeros_like(local) for _ in range(w.size)]
-    if dist.get_backend() == "nccl":
-        local_dev = local.to(params[0].device)
-        everyone = [torch.zeros_like(local_dev) for _ in range(w.size)]
-        dist.all_gather(everyone, local_dev)
-        everyone = [e.cpu() for e in everyone]
-    else:
-        dist.all_gather(everyone, local)
+    dist.all_gather(everyone, local)
     if not all(torch.allclose(e, everyone[0], rtol=1e-6, atol=1e-6) for e in everyone):
         raise RuntimeError("data-parallel replicas of the head diverged; gradients were not synchronised")
