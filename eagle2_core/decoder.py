@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -20,7 +21,11 @@ from .target import TargetRunner
 
 
 class Eagle2Decoder:
-    def __init__(self, model, head, tokenizer=None, tree: TreeSettings | None = None, costs=None, calibration: bool = False):
+    """`fixed=True` runs each cycle with fixed shapes on static buffers (`fixed.py`, the GPU path);
+    `compile` captures those cycle functions (torch.compile; `fixed.py`). The loop is the same."""
+
+    def __init__(self, model, head, tokenizer=None, tree: TreeSettings | None = None, costs=None, calibration: bool = False,
+                 fixed: bool = False, compile: str | None = None):
         self.runner = TargetRunner(model)
         self.head = head
         self.tokenizer = tokenizer
@@ -31,6 +36,18 @@ class Eagle2Decoder:
             costs = load_or_measure(model, head)  # cached per machine, model, dtype and threads
         self.costs = costs
         self.calibration = calibration  # bin nodes by confidence vs acceptance (compare asks; chat and generate need not)
+        self.fixed = fixed or compile is not None
+        self.compile = compile          # None, or a torch.compile backend ("inductor", "cudagraphs", "aot_eager")
+        self._fixed = None              # the FixedCycle (static buffers, captured functions), reused while it fits
+
+    def _cycle(self, cap: int):
+        if not self.fixed:
+            return EagerCycle(self, cap)
+        if self._fixed is None or not self._fixed.fits(cap):
+            from .fixed import FixedCycle
+
+            self._fixed = FixedCycle(self, cap)
+        return self._fixed
 
     @torch.no_grad()
     def stream(self, prompt_ids, gen: GenerationSettings | None = None) -> Iterator[StepEvent | Summary]:
@@ -40,48 +57,100 @@ class Eagle2Decoder:
         stop = StopChecker(gen, self.tokenizer, run.eos_ids(gen, self.tokenizer), run.max_positions, ids.numel())
         warpers = make_warpers(gen)
         rng = torch.Generator().manual_seed(gen.seed) if gen.seed is not None else None
-        cap = min(run.max_positions, ids.numel() + gen.max_new_tokens + self.tree.total_tokens + 8)
-        cache = TreeKVCache(num_cache_layers(run.model.config), cap)
-        drafter = Drafter(self.head, self.tree, cap, self.costs)
+        cap = min(run.max_positions, ids.numel() + gen.max_new_tokens) + self.tree.total_tokens + self.tree.depth + 8
+        cycle = self._cycle(cap)
         summary = Summary(prompt_tokens=ids.numel())
         t0 = time.perf_counter()
 
         # Prefill: the target reads the prompt and picks the first token itself (the first root).
-        layers = self.head.feature_layers  # what the head reads: last hidden state, or EAGLE-3's fused layers
-        hidden, features = run.forward_features(ids, torch.arange(ids.numel(), device=dev), None, cache, layers)
-        root = self._pick(run.logits(hidden[-1:]), warpers, rng)[0]
-        summary.target_forwards, summary.prefill_s = 1, time.perf_counter() - t0
-        emitted = stop.push([root])
-        yield StepEvent(emitted, accepted=0, tree_size=1, draft_s=0.0, verify_s=summary.prefill_s)
-        new_tokens = torch.cat([ids[1:], torch.tensor([root], device=dev)])  # pairs (f_t, x_{t+1})
-        new_features, start_pos = features, 0
+        with cycle.session():
+            root = cycle.prefill(ids, lambda logits: self._pick(logits, warpers, rng)[0])
+            summary.target_forwards, summary.prefill_s = 1, time.perf_counter() - t0
+            emitted = stop.push([root])
+            yield StepEvent(emitted, accepted=0, tree_size=1, draft_s=0.0, verify_s=summary.prefill_s)
 
-        while not stop.done:
-            t1 = time.perf_counter()
-            past = cache.length  # committed tokens; the root sits at position `past`
-            # remaining counts both max_new_tokens and the context limit; the bonus token needs one.
-            tree = drafter.draft(new_tokens, new_features, start_pos, torch.tensor(root, device=dev),
-                                 budget=self.tree.total_tokens, max_depth=stop.remaining - 1)
-            t2 = time.perf_counter()
-            # Verify (paper section 3): all tree nodes in one forward; node i at position past + depth(i).
-            hidden, features = run.forward_features(tree.tokens, past + tree.depth, run.tree_mask(tree, past), cache, layers)
-            if gen.temperature > 0:
-                path, bonus = accept_sampling(tree, target_probs(run.logits(hidden), warpers), rng)
-            else:
-                path, bonus = self._accept_greedy(tree, hidden)
-            path_t = torch.tensor(path, device=dev)
-            cache.keep(past, path_t)  # accepted nodes' KV move into place; the rest is dropped
-            t3 = time.perf_counter()
-            summary.record_cycle(len(path) - 1, tree, t2 - t1, t3 - t2)
-            if self.calibration:
-                summary.record_calibration(tree, path_t)
-            new_tokens = torch.cat([tree.tokens[path_t[1:]], torch.tensor([bonus], device=dev)])
-            emitted = stop.push(new_tokens.tolist())
-            yield StepEvent(emitted, accepted=len(path) - 1, tree_size=tree.size, draft_s=t2 - t1, verify_s=t3 - t2)
-            new_features, start_pos, root = features[path_t], past, bonus
+            while not stop.done:
+                t1 = time.perf_counter()
+                # remaining counts both max_new_tokens and the context limit; the bonus token needs one.
+                tree = cycle.draft(stop.remaining - 1)
+                t2 = time.perf_counter()
+                # Verify (paper section 3): all tree nodes in one forward, then accept and commit.
+                if gen.temperature > 0:
+                    accepted, deepest, new_tokens = cycle.verify_sampling(tree, warpers, rng)
+                else:
+                    accepted, deepest, new_tokens = cycle.verify_greedy(tree)
+                t3 = time.perf_counter()
+                summary.record_cycle(accepted, tree.size, deepest, t2 - t1, t3 - t2)
+                if self.calibration:
+                    summary.record_calibration(tree, cycle.last_path[: accepted + 1])
+                emitted = stop.push(new_tokens)
+                yield StepEvent(emitted, accepted=accepted, tree_size=tree.size, draft_s=t2 - t1, verify_s=t3 - t2)
 
         summary.finish(stop, time.perf_counter() - t0)
         yield summary
+
+    def _pick(self, logits, warpers, rng) -> list[int]:
+        if warpers is None:
+            return logits.argmax(-1).tolist()
+        probs = target_probs(logits, warpers)
+        return torch.multinomial(probs.float().cpu(), 1, generator=rng).flatten().tolist()
+
+    def generate(self, prompt_ids, gen: GenerationSettings | None = None) -> tuple[list[int], Summary]:
+        return collect(self.stream(prompt_ids, gen))
+
+
+class EagerCycle:
+    """One generation's cycles on growable caches addressed by host-side lengths.
+
+    Shapes follow the tree and the accepted path, and lm_head work is spent only where an
+    argmax is needed; the cost is a few host reads per cycle, which a CPU does not notice.
+    """
+
+    def __init__(self, dec: Eagle2Decoder, cap: int):
+        self.dec, self.run, self.head = dec, dec.runner, dec.head
+        self.cache = TreeKVCache(num_cache_layers(self.run.model.config), cap)
+        self.drafter = Drafter(dec.head, dec.tree, cap, dec.costs)
+        self.layers = dec.head.feature_layers  # what the head reads: last hidden state, or EAGLE-3's fused layers
+        self.last_path = None
+
+    @contextmanager
+    def session(self):
+        yield
+
+    def prefill(self, ids, pick) -> int:
+        dev = ids.device
+        hidden, features = self.run.forward_features(ids, torch.arange(ids.numel(), device=dev), None, self.cache, self.layers)
+        self.root = pick(self.run.logits(hidden[-1:]))
+        self.new_tokens = torch.cat([ids[1:], torch.tensor([self.root], device=dev)])  # pairs (f_t, x_{t+1})
+        self.new_features, self.start_pos = features, 0
+        return self.root
+
+    def draft(self, max_depth: int):
+        return self.drafter.draft(self.new_tokens, self.new_features, self.start_pos, torch.tensor(self.root, device=self.run.device),
+                                  budget=self.dec.tree.total_tokens, max_depth=max_depth)
+
+    def _forward(self, tree):
+        self.past = self.cache.length  # committed tokens; the root sits at position `past`
+        return self.run.forward_features(tree.tokens, self.past + tree.depth, self.run.tree_mask(tree, self.past), self.cache, self.layers)
+
+    def verify_greedy(self, tree):
+        hidden, features = self._forward(tree)
+        path, bonus = self._accept_greedy(tree, hidden)
+        return self._commit(tree, features, path, bonus)
+
+    def verify_sampling(self, tree, warpers, rng):
+        hidden, features = self._forward(tree)
+        path, bonus = accept_sampling(tree, target_probs(self.run.logits(hidden), warpers), rng)
+        return self._commit(tree, features, path, bonus)
+
+    def _commit(self, tree, features, path: list[int], bonus: int):
+        dev = self.run.device
+        path_t = torch.tensor(path, device=dev)
+        self.cache.keep(self.past, path_t)  # accepted nodes' KV move into place; the rest is dropped
+        self.new_tokens = torch.cat([tree.tokens[path_t[1:]], torch.tensor([bonus], device=dev)])
+        self.new_features, self.start_pos, self.root, self.last_path = features[path_t], self.past, bonus, path_t
+        deepest = int(tree.depth[-1]) if tree.size > 1 else 0  # nodes are in depth order
+        return len(path) - 1, deepest, self.new_tokens.tolist()
 
     def _accept_greedy(self, tree, hidden) -> tuple[list[int], int]:
         """Greedy acceptance with lm_head applied only where an argmax is needed.
@@ -94,23 +163,14 @@ class Eagle2Decoder:
         cost more than it saves, so all rows go in one product. The two-row-set plan remains for
         half precision on CPUs without AMX, where a product costs in proportion to its rows.
         """
-        if self.runner.rows_cheap:
-            return accept_greedy(tree, self.runner.logits(hidden).argmax(-1))
+        if self.run.rows_cheap:
+            return accept_greedy(tree, self.run.logits(hidden).argmax(-1))
         internal = torch.zeros(tree.size, dtype=torch.bool, device=tree.tokens.device)
         internal[tree.parents[1:]] = True
         rows = torch.nonzero(internal).flatten()
         argmax = torch.full((tree.size,), -1, dtype=torch.long, device=tree.tokens.device)
-        argmax[rows] = self.runner.logits(hidden[rows]).argmax(-1)
+        argmax[rows] = self.run.logits(hidden[rows]).argmax(-1)
         path, bonus = accept_greedy(tree, argmax)
         if bonus < 0:  # the path ends at a leaf
-            bonus = int(self.runner.logits(hidden[path[-1] : path[-1] + 1]).argmax(-1))
+            bonus = int(self.run.logits(hidden[path[-1] : path[-1] + 1]).argmax(-1))
         return path, bonus
-
-    def _pick(self, logits, warpers, rng) -> list[int]:
-        if warpers is None:
-            return logits.argmax(-1).tolist()
-        probs = target_probs(logits, warpers)
-        return torch.multinomial(probs.float().cpu(), 1, generator=rng).flatten().tolist()
-
-    def generate(self, prompt_ids, gen: GenerationSettings | None = None) -> tuple[list[int], Summary]:
-        return collect(self.stream(prompt_ids, gen))

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from .budget import choose_budget
-from .kvcache import TreeKVCache
+from .kvcache import StaticKVCache, TreeKVCache
 from .target import rows_are_cheap
-from .tree import DraftTree, causal_attention_bias, choices_to_levels, chain_choices, rerank, select_expansion, static_choices, tree_from_parents
+from .tree import (DraftTree, causal_attention_bias, choices_to_levels, chain_choices, rerank, select_expansion, static_causal_bias,
+                   static_choices, tree_from_parents)
 
 
 @dataclass
@@ -74,11 +75,17 @@ class TreeSettings:
 class Drafter:
     """Owns the draft head's KV cache for one generation and builds one tree per cycle."""
 
-    def __init__(self, head, settings: TreeSettings, capacity: int = 1024, costs=None):
+    def __init__(self, head, settings: TreeSettings, capacity: int = 1024, costs=None, fixed: bool = False):
         settings.validate()
         self.head = head
         self.settings = settings
-        self.cache = TreeKVCache(1, capacity)
+        # fixed: the GPU path's static buffers (`draft_fixed`); capacity must then cover the whole
+        # generation plus one cycle's tree rows, since a static cache cannot grow.
+        self.fixed = fixed
+        if fixed and (settings.shape != "dynamic" or settings.budget != "fixed"):
+            raise ValueError("fixed shapes need a dynamic tree with a fixed budget")
+        dev = head.fc.weight.device
+        self.cache = StaticKVCache(1, capacity, dev) if fixed else TreeKVCache(1, capacity)
         # With budget="auto", a measured CostProfile: verify ms by rows, and this tree's drafting ms.
         self.verify_ms = self.draft_ms = None
         if settings.budget == "auto" and settings.shape == "dynamic":
@@ -96,11 +103,26 @@ class Drafter:
         bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
         return bias.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
-    def _step(self, tokens, hidden, pos: int, visible: torch.Tensor, ctx_len: int):
-        """Feed one depth of tree nodes; returns their draft hidden states and log-probs."""
+    def _step(self, tokens, hidden, pos, visible: torch.Tensor, ctx_len):
+        """Feed one depth of tree nodes; returns their draft hidden states and log-probs.
+
+        `visible` [n, m] says which of the m tree rows fed so far each node sees. Eager: `pos` and
+        `ctx_len` are ints and the rows are appended to the cache (dropped after the tree).
+        Fixed: they are device scalars; the rows go to the slots after the context, and the mask
+        covers the whole static cache.
+        """
         n = tokens.shape[0]
-        h = self.head(tokens[None], hidden[None], torch.full((1, n), pos, device=tokens.device),
-                      attention_mask=self._bias(visible, ctx_len, hidden.dtype), cache=self.cache)[0]
+        if self.fixed:
+            cap = self.cache.capacity
+            tree_slots = ctx_len + torch.arange(visible.shape[1], device=tokens.device)
+            self.cache.slots = tree_slots[-n:]
+            allowed = (torch.arange(cap, device=tokens.device) < ctx_len)[None].expand(n, cap).clone()
+            allowed.scatter_(1, tree_slots[None].expand(n, -1), visible)
+            bias = torch.zeros(n, cap, dtype=hidden.dtype, device=tokens.device).masked_fill_(~allowed, torch.finfo(hidden.dtype).min)[None, None]
+            positions = (pos + torch.zeros(1, n, dtype=torch.long, device=tokens.device))
+        else:
+            bias, positions = self._bias(visible, ctx_len, hidden.dtype), torch.full((1, n), pos, device=tokens.device)
+        h = self.head(tokens[None], hidden[None], positions, attention_mask=bias, cache=self.cache)[0]
         return h, torch.log_softmax(self.head.draft_logits(h).float(), dim=-1)
 
     @torch.no_grad()
@@ -133,6 +155,27 @@ class Drafter:
         self.cache.truncate(ctx)  # tree tokens are not context
         return tree
 
+    @torch.no_grad()
+    def draft_fixed(self, new_tokens: torch.Tensor, new_features: torch.Tensor, start_pos: torch.Tensor, n_new: torch.Tensor,
+                    root: torch.Tensor) -> DraftTree:
+        """`draft` with fixed shapes and no host reads (the GPU path, issue 16).
+
+        The new pairs come padded to a fixed width (depth + 1 rows, `n_new` of them real) at
+        positions start_pos...; the padding rows are written to head-cache slots past the new
+        context length, which later masks hide and later writes overwrite. The tree always has
+        `total_tokens` nodes: the candidate pool (top_k + (depth-1) * top_k^2) is larger.
+        """
+        s = self.settings
+        dev, w = new_tokens.device, new_tokens.shape[0]
+        positions = start_pos + torch.arange(w, device=dev)
+        self.cache.slots = positions  # committed context: slot = position
+        bias = static_causal_bias(positions, self.cache.capacity, self.head.fc.weight.dtype)
+        h = self.head(new_tokens[None], self.head.project(new_features[None]), positions[None], attention_mask=bias, cache=self.cache)[0]
+        h = h.index_select(0, (n_new - 1).view(1))  # the root's row: the last real pair
+        logp = torch.log_softmax(self.head.draft_logits(h).float(), dim=-1)
+        ctx = start_pos + n_new  # context length after this absorb = the root's position
+        return self._dynamic(h, logp, ctx, ctx, root, s.total_tokens - 1, s.depth)
+
     def _dynamic(self, h, logp, pos, ctx, root, budget, depth) -> DraftTree:
         k = min(self.settings.top_k, logp.shape[-1])  # top_k may exceed a tiny (or pruned draft) vocabulary
         scores, ids = torch.topk(logp[0], k)
@@ -152,8 +195,7 @@ class Drafter:
             pool_tokens.append(self.head.to_target_ids(child_ids.flatten()))
             pool_parents.append(front_idx.repeat_interleave(k))
             pool_scores.append(path.flatten())
-            expanded = torch.zeros(k * k, dtype=torch.bool, device=ids.device)
-            expanded[sel] = True
+            expanded = torch.zeros(k * k, dtype=torch.bool, device=ids.device).index_fill_(0, sel, True)
             pool_expanded.append(expanded)
             tokens = pool_tokens[-1][sel]
             front_idx = pool_size + sel

@@ -79,14 +79,15 @@ class Summary:
         return [{"bin": [i / CALIB_BINS, (i + 1) / CALIB_BINS], "confidence": round(c[i] / n[i], 4), "nodes": int(n[i]),
                  "accepted": round(a[i] / n[i], 4)} for i in range(CALIB_BINS) if n[i]]
 
-    def record_cycle(self, accepted: int, tree, draft_s: float, verify_s: float) -> None:
+    def record_cycle(self, accepted: int, tree_size: int, deepest: int, draft_s: float, verify_s: float) -> None:
+        """One cycle: draft tokens accepted, nodes verified, the tree's deepest draft depth."""
         self.cycles += 1
         self.target_forwards += 1
         while len(self.accepted_hist) <= accepted:
             self.accepted_hist.append(0)
         self.accepted_hist[accepted] += 1
-        self.tree_tokens += tree.size
-        self.depth_sum += int(tree.depth[-1]) if tree.size > 1 else 0  # nodes are in depth order
+        self.tree_tokens += tree_size
+        self.depth_sum += deepest
         self.draft_s += draft_s
         self.verify_s += verify_s
 

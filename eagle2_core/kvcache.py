@@ -99,3 +99,69 @@ class TreeKVCache(Cache):
 def num_cache_layers(config) -> int:
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return config.num_hidden_layers
+
+
+class StaticKVLayer(CacheLayerMixin):
+    """Fixed-capacity K/V buffers written at device-side slots (the GPU path, issue 16).
+
+    Nothing here reads a device value on the host: the caller sets `slots` (a long tensor, one
+    cache slot per input row) before each forward, `update` scatters the new rows there with
+    `index_copy_` and returns the whole buffers, and the attention mask (built from a
+    device-side length, `fixed.py`) hides every slot that is not context or an ancestor. The
+    buffers never move or change shape, so a captured graph can keep reading them.
+    """
+    is_sliding = False
+    is_compileable = True
+    is_croppable = False
+
+    def __init__(self, capacity: int, owner: "StaticKVCache"):
+        super().__init__()
+        self.capacity = capacity
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        self.device = key_states.device
+        self.keys = torch.zeros(b, h, self.capacity, d, dtype=key_states.dtype, device=key_states.device)
+        self.values = torch.zeros(b, h, self.capacity, value_states.shape[-1], dtype=value_states.dtype, device=key_states.device)
+        if not torch.compiler.is_compiling():
+            # cudagraphs must see the same addresses on every replay (not "mutation on input")
+            torch._dynamo.mark_static_address(self.keys)
+            torch._dynamo.mark_static_address(self.values)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys.index_copy_(2, self.owner.slots, key_states)
+        self.values.index_copy_(2, self.owner.slots, value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.capacity, 0
+
+    def get_seq_length(self) -> int:
+        raise RuntimeError("a static cache keeps its length on the device; pass position_ids")
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def commit(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if self.is_initialized:
+            # gather first (index_select copies): source and destination slots may overlap
+            self.keys.index_copy_(2, dst, self.keys.index_select(2, src))
+            self.values.index_copy_(2, dst, self.values.index_select(2, src))
+
+
+class StaticKVCache(Cache):
+    """One `StaticKVLayer` per decoder layer, all written at the same `slots` each forward."""
+
+    def __init__(self, num_layers: int, capacity: int, device):
+        self.capacity = capacity
+        self.slots = torch.arange(1, device=device)
+        super().__init__(layers=[StaticKVLayer(capacity, self) for _ in range(num_layers)])
+
+    def commit(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Move the accepted tree rows (slots `src`) to their context slots `dst`, all layers."""
+        for layer in self.layers:
+            layer.commit(src, dst)

@@ -11,7 +11,7 @@ import torch
 from contextlib import contextmanager
 
 from .rowgemm import linear_rows, plain_linears, row_linears
-from .tree import DraftTree, causal_attention_bias, tree_attention_bias
+from .tree import DraftTree, causal_attention_bias, static_causal_bias, static_tree_bias, tree_attention_bias
 
 # End-of-turn markers of common chat templates; generation stops at these as at EOS.
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>", "<|end_of_text|>")
@@ -88,9 +88,20 @@ class TargetRunner:
             past = cache.length
             mask = self._masks(lambda w: causal_attention_bias(tokens.numel(), past, self.dtype, tokens.device, w))
         with row_linears(self.cpu_linears), capture_layer_inputs(self.body, layers) as seen:
-            out = self.body(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask, cache=cache, use_cache=True)
+            return self.run_body(tokens, positions, mask, cache, seen, layers)
+
+    def run_body(self, tokens, positions, mask, cache, seen: dict, layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The body's forward alone, with `seen` filled by hooks the caller installed (the fixed
+        cycle installs them once per generation, so a captured graph does not register hooks)."""
+        out = self.body(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask, cache=cache, use_cache=True)
         hidden = out.last_hidden_state[0]
         return hidden, (hidden if layers is None else fuse(seen, layers)[0])
+
+    def static_tree_mask(self, tree: DraftTree, past: torch.Tensor, capacity: int):
+        return self._masks(lambda w: static_tree_bias(tree, past, capacity, self.dtype, w))
+
+    def static_causal_mask(self, positions: torch.Tensor, capacity: int):
+        return self._masks(lambda w: static_causal_bias(positions, capacity, self.dtype, w))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head

@@ -94,11 +94,11 @@ def rerank(
     keep = torch.sort(order).values  # pool order = parents before children
     # Map pool index -> tree index (root is tree index 0, kept nodes 1..budget).
     remap = torch.full((pool_tokens.shape[0] + 1,), -1, dtype=torch.long, device=pool_tokens.device)
-    remap[keep + 1] = torch.arange(1, budget + 1, device=pool_tokens.device)
-    remap[0] = 0  # pool parent -1 (+1 -> 0) is the root
+    remap.index_copy_(0, keep + 1, torch.arange(1, budget + 1, device=pool_tokens.device))
+    remap[:1].zero_()  # pool parent -1 (+1 -> 0) is the root
     parents = remap[pool_parents[keep] + 1]
     tokens = torch.cat([root_token.view(1), pool_tokens[keep]])
-    parents = torch.cat([torch.tensor([-1], device=parents.device), parents])
+    parents = torch.cat([torch.full((1,), -1, dtype=parents.dtype, device=parents.device), parents])  # no host->device copy
     tree = tree_from_parents(tokens, parents, max_depth)
     # Path scores travel with the tree: the paper's calibration check (section 3) compares them
     # with what verification accepts.
@@ -181,3 +181,32 @@ def causal_attention_bias(q_len: int, past_len: int, dtype: torch.dtype, device,
     bias = torch.zeros(q_len, past_len + q_len, dtype=dtype, device=device)
     bias.masked_fill_(~allowed, torch.finfo(dtype).min)
     return bias[None, None]
+
+
+# -- the same masks over a static cache (fixed shapes, issue 16) ------------------------------
+# A static cache has `capacity` slots whatever the length, and the length lives on the device,
+# so these masks always have capacity columns and take the length as a tensor. Context slot c
+# holds position c; the tree's rows sit in the slots right after the context.
+
+def static_causal_bias(positions: torch.Tensor, capacity: int, dtype: torch.dtype, sliding_window: int | None = None) -> torch.Tensor:
+    """[1, 1, n, capacity]: row i (at position positions[i], written to slot positions[i]) sees slots <= its own."""
+    k_pos = torch.arange(capacity, device=positions.device)
+    allowed = k_pos[None, :] <= positions[:, None]
+    if sliding_window is not None:
+        allowed &= k_pos[None, :] > (positions[:, None] - sliding_window)
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
+    return bias.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def static_tree_bias(tree: DraftTree, past_len: torch.Tensor, capacity: int, dtype: torch.dtype, sliding_window: int | None = None) -> torch.Tensor:
+    """`tree_attention_bias` over a static cache: [1, 1, N, capacity], the tree in slots past_len + i."""
+    n, device = tree.size, tree.tokens.device
+    slots = past_len + torch.arange(n, device=device)
+    allowed = (torch.arange(capacity, device=device) < past_len)[None].expand(n, capacity).clone()
+    allowed.scatter_(1, slots[None].expand(n, -1), tree.ancestors)
+    if sliding_window is not None:
+        q_pos = past_len + tree.depth
+        k_pos = torch.arange(capacity, device=device).scatter(0, slots, q_pos)
+        allowed &= k_pos[None, :] > (q_pos[:, None] - sliding_window)
+    bias = torch.zeros(n, capacity, dtype=dtype, device=device)
+    return bias.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]

@@ -189,13 +189,10 @@ def test_summary_tau_and_acceptance_by_depth():
     assert s.accepted_per_cycle == pytest.approx(10 / 10)  # 0*4 + 1*3 + 2*2 + 3*1 = 10 accepted drafts
     assert s.acceptance_rate == pytest.approx(10 / 40)     # over the deepest draft path of each tree
     assert Summary().tau == 0.0 and Summary().acceptance_by_depth == []
-    # record_cycle builds the same histogram
-    from eagle2_core.tree import tree_from_parents
-
+    # record_cycle builds the same histogram (trees of 3 nodes, a depth-2 chain each)
     t = Summary()
-    tree = tree_from_parents(torch.zeros(3, dtype=torch.long), torch.tensor([-1, 0, 1]))
     for acc in [0, 0, 0, 0, 1, 1, 1, 2, 2, 3]:
-        t.record_cycle(acc, tree, 0.0, 0.0)
+        t.record_cycle(acc, 3, 2, 0.0, 0.0)
     assert t.accepted_hist == [4, 3, 2, 1] and t.cycles == 10 and t.target_forwards == 10 and t.tree_tokens == 30
     assert t.depth_sum == 20 and t.acceptance_rate == pytest.approx(10 / 20)  # every tree is a depth-2 chain
     # a histogram with a gap: nobody accepted 1, so depth 2 has no denominator
