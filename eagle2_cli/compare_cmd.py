@@ -12,6 +12,7 @@ Examples:
   eagle2 compare --vanilla --dataset mt-bench --json mt.json --plot mt.png
   eagle2 compare --vanilla --dataset humaneval --limit 20 --against pld,static,chain
   eagle2 compare --vanilla --dataset mt-bench --against tree:6/3/2,tree:12/4/3
+  eagle2 compare --vanilla --dataset mt-bench --against fixed,compiled,generate-compiled
   eagle2 compare --vanilla -f prompts.jsonl --against sps --assistant HuggingFaceTB/SmolLM2-135M-Instruct \\
       --model HuggingFaceTB/SmolLM2-1.7B-Instruct --draft my-head/
 """
@@ -48,7 +49,9 @@ def _against(ctx, param, value):
 @click.option("--against", callback=_against, default="", metavar="LIST",
               help="Extra methods in the same run: pld (prompt lookup), sps (assisted generation, needs --assistant), static, chain, "
                    "tree:N/D/K (the dynamic tree with N tokens, depth D, top-k K; repeatable to sweep tree sizes), "
-                   "auto or auto:N/D/K (the tree size chosen every cycle, up to N, from measured costs).")
+                   "auto or auto:N/D/K (the tree size chosen every cycle, up to N, from measured costs), "
+                   "fixed and compiled (EAGLE-2 on fixed shapes, uncaptured and captured), "
+                   "generate-compiled (HF generate with a static cache and torch.compile).")
 @click.option("--assistant", default=None, metavar="MODEL", help="Small model for --against sps.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), default=None, help="Write the statistics as JSON ('-' for stdout).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="PNG: acceptance-length histogram and per-prompt speedup (needs matplotlib).")

@@ -32,6 +32,7 @@ class CommonOptions:
     draft_shape: str | None
     system_prompt: str | None
     chat_template: str | None
+    compile: bool | None
 
     def generation(self):
         from eagle2_core.events import GenerationSettings
@@ -56,7 +57,7 @@ class CommonOptions:
                               load_in_8bit=self.load_in_8bit, load_in_4bit=self.load_in_4bit,
                               trust_remote_code=self.trust_remote_code, tree=self.tree_overrides(),
                               gen=self.generation(), system_prompt=self.system_prompt, chat_template=template,
-                              need_head=need_head)
+                              need_head=need_head, compile=self.compile)
         if need_head and rt.head_is_random and console is not None:
             console.print("[yellow]warning:[/] --draft random: an untrained draft head; output is still exact, but expect no speedup")
         return rt
@@ -119,6 +120,9 @@ def _options(max_new_tokens: int):
         o("--tree-top-k", type=click.IntRange(min=1), default=None, help="Children tried per expanded node [CPU 2, CPU bf16 4, GPU 10]."),
         o("--draft-shape", type=click.Choice(["dynamic", "static", "chain"]), default=None,
           help="dynamic: EAGLE-2 [default]; static: EAGLE-1 tree; chain: no tree."),
+        o("--compile/--no-compile", default=None,
+          help="Capture each decoding cycle (fixed shapes, torch.compile; CUDA graphs on a GPU). [default: on for CUDA, "
+               "off on CPU, where it was measured not to pay]"),
         o("--system-prompt", "-s", default=None, help="System message for chat-formatted prompts."),
         o("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
           help="Jinja chat template file (or JSON with chat_template) replacing the tokenizer's."),

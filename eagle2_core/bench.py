@@ -90,6 +90,7 @@ class MethodRun:
     summaries: list[Summary] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
     speculative: bool = True      # False for plain HF generate (no tau/acceptance)
+    ops_per_cycle: dict | None = None  # aten ops dispatched per steady-state cycle (opcount.py)
 
     @property
     def total(self) -> Summary:
@@ -203,6 +204,8 @@ class Comparison:
                      mean_tree_size=round(tot.tree_tokens / tot.cycles, 2) if tot.cycles else 0)
             if tot.calibration:  # EAGLE-2 section 3: draft confidence against measured acceptance
                 d["calibration"] = tot.calibration
+            if run.ops_per_cycle:
+                d["ops_per_cycle"] = run.ops_per_cycle
         if name != self.baseline:
             sp, mean = self.speedup(name), self.mean_speedup(name)
             d.update(speedup=None if sp is None else round(sp, 4), speedup_mean_ratio=None if mean is None else round(mean, 4),
@@ -243,7 +246,7 @@ class Comparison:
 
 
 Decoder = object  # anything with .generate(prompt_ids, GenerationSettings) -> (tokens, Summary)
-BASELINES = ("pld", "sps", "static", "chain", "auto")  # plus tree:N/D/K and auto:N/D/K, see parse_tree_spec
+BASELINES = ("pld", "sps", "static", "chain", "auto", "fixed", "compiled", "generate-compiled")  # plus tree:N/D/K and auto:N/D/K
 PLD_TOKENS = 10
 
 
@@ -258,7 +261,9 @@ def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=Non
     """name -> (decoder, speculative?) for a comparison: vanilla HF generate, EAGLE-2, and extra baselines:
     pld (HF prompt lookup, 10 tokens), sps (HF assisted generation with `assistant_model`), static/chain
     (our EAGLE-1 tree and chain draft shapes with the same head), tree:N/D/K (the dynamic tree with another
-    budget: total tokens / depth / top-k), so tree sizes can be swept against one shared baseline."""
+    budget: total tokens / depth / top-k), so tree sizes can be swept against one shared baseline; fixed and
+    compiled (EAGLE-2 on fixed shapes, uncaptured and captured: fixed.py), generate-compiled (HF generate
+    with a static cache and torch.compile, the strongest plain decoding transformers offers)."""
     methods: dict[str, tuple[Decoder, bool]] = {}
     if vanilla:
         methods["vanilla"] = (runtime.vanilla(), False)
@@ -270,6 +275,12 @@ def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=Non
             if assistant_model is None:
                 raise ValueError("sps needs an assistant model")
             methods["sps"] = (runtime.vanilla(assistant_model=assistant_model), False)
+        elif name == "fixed":  # the GPU path's fixed shapes and static buffers, uncaptured
+            methods[name] = (runtime.eagle(calibration=True, compile=False, fixed=True), True)
+        elif name == "compiled":  # the same, captured (CUDA graphs on a GPU, inductor on a CPU)
+            methods[name] = (runtime.eagle(calibration=True, compile=True), True)
+        elif name == "generate-compiled":  # HF generate with a static cache and torch.compile
+            methods[name] = (runtime.vanilla(compiled=True), False)
         elif name in ("static", "chain"):
             methods[name] = (runtime.eagle(dataclasses.replace(runtime.tree, shape=name), calibration=True), True)
         elif name == "auto":  # the per-cycle budget with the run's own depth and top-k
@@ -321,7 +332,26 @@ def run_comparison(methods: dict[str, tuple[Decoder, bool]], items: list[PromptI
             runs[name].summaries.append(summary)
         if on_step:
             on_step("prompt", i + 1, item)
+    if encoded and not gen.temperature:
+        for name, (dec, spec) in methods.items():
+            runs[name].ops_per_cycle = ops_per_cycle(dec, encoded[0], gen) if spec else None
     return Comparison(items, runs, gen, baseline, settings or {})
+
+
+def ops_per_cycle(dec, ids: list[int], gen: GenerationSettings, cycles: int = 4) -> dict | None:
+    """Mean aten ops per steady-state cycle, to draft and to verify, and the host reads among them:
+    what a GPU would launch and wait for, counted on any machine. Not for captured decoders,
+    whose compiled kernels bypass the dispatcher (they run the fixed cycle's ops, fused)."""
+    from .opcount import cycle_ops
+
+    if getattr(dec, "compile", None) or not hasattr(dec, "_cycle"):
+        return None
+    r = cycle_ops(dec, ids, dataclasses.replace(gen, max_new_tokens=max(gen.max_new_tokens, 64)), cycles=cycles)
+    if not r:
+        return None
+    mean = lambda k: round(statistics.fmean(c[k] for c in r), 1)  # noqa: E731
+    return {"draft": mean("draft_ops"), "verify": mean("verify_ops"),
+            "host_reads": round(statistics.fmean(sum(len(v) for v in c["host_reads"].values()) for c in r), 1), "cycles": len(r)}
 
 
 def plot_comparison(comp: Comparison, path: str, name: str = "eagle2") -> None:

@@ -23,6 +23,28 @@ RANDOM_HEAD = "random"
 AUTO_MAX_CPU, AUTO_MAX_GPU = 16, 60  # the largest tree `--total-tokens auto` may choose
 
 
+def supports_fixed(tree: TreeSettings) -> bool:
+    """Fixed shapes (fixed.py) cover the dynamic tree with a fixed budget; other shapes run eagerly."""
+    return tree.shape == "dynamic" and tree.budget == "fixed"
+
+
+def capture_choice(device, tree: TreeSettings, compile: bool | None) -> tuple[str | None, bool]:
+    """(torch.compile backend or None, fixed shapes?) for `--compile/--no-compile` (None: the default).
+
+    On CUDA the cycle runs on static buffers with one host read and is captured as CUDA graphs
+    by default: host overhead is what a small model's cycle is made of there. On a CPU the
+    uncaptured default path is kept: inductor's few-row products were measured slower than the
+    eager path's rowgemm ones (docs/gpu.md), and a CPU does not wait on host reads."""
+    kind = torch.device(device).type
+    if not supports_fixed(tree):
+        return None, False
+    if compile is None:
+        compile = kind == "cuda"
+    if not compile:
+        return None, kind == "cuda"
+    return ("cuda-graphs" if kind == "cuda" else "inductor"), True
+
+
 def random_head(target: LoadedTarget, seed: int = 0) -> DraftHead:
     """An untrained head shaped for the target (tau near 1: for tests and demos only)."""
     g = torch.random.get_rng_state()
@@ -57,12 +79,16 @@ class Runtime:
     chat_template: str | None = None
     draft_name: str = ""
     costs: object = field(default=None, repr=False)  # the measured CostProfile, loaded on first need
+    compile: str | None = None  # torch.compile backend of the fixed-shape cycle (fixed.py), None = uncaptured
+    fixed: bool = False         # fixed shapes on static buffers (on with compile, and on CUDA by default)
+    _decoders: dict = field(default_factory=dict, repr=False)  # one per setting: a captured cycle is compiled once
 
     @classmethod
     def load(cls, model: str | None = None, draft: str | None = None, *, dtype: str = "auto", device: str = "auto",
              device_map: str | None = None, load_in_8bit: bool = False, load_in_4bit: bool = False,
              trust_remote_code: bool = False, tree: dict | None = None, gen: GenerationSettings | None = None,
-             system_prompt: str | None = None, chat_template: str | None = None, need_head: bool = True) -> "Runtime":
+             system_prompt: str | None = None, chat_template: str | None = None, need_head: bool = True,
+             compile: bool | None = None) -> "Runtime":
         target = load_target(model, dtype=dtype, device=device, device_map=device_map, load_in_8bit=load_in_8bit,
                              load_in_4bit=load_in_4bit, trust_remote_code=trust_remote_code)
         head = load_head(draft, target) if need_head else None
@@ -77,8 +103,9 @@ class Runtime:
             settings.validate()
         except ValueError as e:
             raise LoadError(str(e)) from None
+        backend, fixed = capture_choice(out.device, settings, compile)
         return cls(target, head, settings, gen or GenerationSettings(), system_prompt, chat_template,
-                   draft_name=draft or default_head_for(target.name) or "")
+                   draft_name=draft or default_head_for(target.name) or "", compile=backend, fixed=fixed)
 
     @property
     def tokenizer(self):
@@ -110,12 +137,23 @@ class Runtime:
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
-    def eagle(self, tree: TreeSettings | None = None, calibration: bool = False) -> Eagle2Decoder:
+    def eagle(self, tree: TreeSettings | None = None, calibration: bool = False, compile: bool | None = None,
+              fixed: bool | None = None) -> Eagle2Decoder:
+        """A decoder with this runtime's settings; `tree`, `compile` and `fixed` override them."""
         if self.head is None:
             raise LoadError("no draft head loaded")
         tree = tree or self.tree
-        return Eagle2Decoder(self.model, self.head, self.tokenizer, tree, self.cost_profile() if tree.budget == "auto" else None,
-                             calibration=calibration)
+        if compile is None:
+            backend = self.compile if supports_fixed(tree) else None
+        else:
+            backend = capture_choice(self.model.get_output_embeddings().weight.device, tree, compile)[0]
+        fixed = bool(backend) or (self.fixed if fixed is None else fixed) and supports_fixed(tree)
+        key = (dataclasses.astuple(tree), calibration, fixed, backend, id(self.head))
+        if key not in self._decoders:
+            self._decoders[key] = Eagle2Decoder(self.model, self.head, self.tokenizer, tree,
+                                                self.cost_profile() if tree.budget == "auto" else None,
+                                                calibration=calibration, fixed=fixed, compile=backend)
+        return self._decoders[key]
 
     def cost_profile(self, remeasure: bool = False):
         """This machine's measured costs for this model and head (cached; `eagle2 tune` remeasures)."""
@@ -125,5 +163,5 @@ class Runtime:
             self.costs = load_or_measure(self.model, self.head, remeasure=remeasure)
         return self.costs
 
-    def vanilla(self, **generate_kwargs) -> VanillaDecoder:
-        return VanillaDecoder(self.model, self.tokenizer, **generate_kwargs)
+    def vanilla(self, compiled: bool = False, **generate_kwargs) -> VanillaDecoder:
+        return VanillaDecoder(self.model, self.tokenizer, compiled=compiled, **generate_kwargs)

@@ -15,10 +15,20 @@ from .target import context_length, model_eos_ids
 
 
 class VanillaDecoder:
-    def __init__(self, model, tokenizer=None, **generate_kwargs):
+    def __init__(self, model, tokenizer=None, compiled: bool = False, **generate_kwargs):
         self.model = model
         self.tokenizer = tokenizer
         self.extra = generate_kwargs  # e.g. prompt_lookup_num_tokens, assistant_model
+        if compiled:
+            # transformers' documented fast path: a static cache, and its decoding step through
+            # torch.compile (CUDA graphs on a GPU; transformers compiles on CPUs only when asked).
+            from transformers import CompileConfig
+
+            cfg = CompileConfig(fullgraph=True, mode="reduce-overhead")
+            if model.get_output_embeddings().weight.device.type == "cpu":
+                cfg = CompileConfig(fullgraph=True, mode="default")
+                cfg._compile_all_devices = True
+            self.extra.update(cache_implementation="static", compile_config=cfg)
 
     @torch.no_grad()
     def stream(self, prompt_ids, gen: GenerationSettings | None = None) -> Iterator[StepEvent | Summary]:

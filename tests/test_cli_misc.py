@@ -24,7 +24,7 @@ def test_version_and_help():
         assert r.exit_code == 0 and "Examples:" in r.output, cmd
         for opt in ("--model", "--draft", "--dtype", "--device-map", "--load-in-4bit", "--trust-remote-code", "--temperature",
                     "--top-p", "--top-k", "--max-new-tokens", "--seed", "--total-tokens", "--depth", "--tree-top-k",
-                    "--draft-shape", "--system-prompt", "--chat-template"):
+                    "--draft-shape", "--system-prompt", "--chat-template", "--compile"):
             assert opt in r.output, (cmd, opt)
 
 
