@@ -52,12 +52,12 @@ def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, max_depth: in
     ancestors = torch.eye(n, dtype=torch.bool, device=device)
     depth = torch.zeros(n, dtype=torch.long, device=device)
     if n > 1:
-        p = parents[1:]
+        # Whole-tensor updates (no slice assignment): every non-root row ORs in its parent's row.
+        has_parent = (parents >= 0)
+        p = parents.clamp(min=0)
         for _ in range(max_depth if max_depth is not None else n - 1):
-            new_anc = ancestors.clone()
-            new_anc[1:] |= ancestors[p]
-            new_depth = depth.clone()
-            new_depth[1:] = depth[p] + 1
+            new_anc = ancestors | (ancestors[p] & has_parent[:, None])
+            new_depth = torch.where(has_parent, depth[p] + 1, 0)
             if max_depth is None and torch.equal(new_anc, ancestors) and torch.equal(new_depth, depth):
                 break
             ancestors, depth = new_anc, new_depth
