@@ -202,3 +202,53 @@ def test_lr_schedule_decays_by_steps_or_by_time_whichever_ends_first():
     assert lr_schedule(timed, 20, 1000, train_s=0.0) > 0.99
     assert lr_schedule(timed, 20, 1000, train_s=50.0) == pytest.approx(0.55)  # half the time: half-way down the cosine
     assert lr_schedule(timed, 20, 1000, train_s=100.0) == pytest.approx(0.1)
+
+
+def test_prefill_extraction_equals_a_plain_forward_and_resumes_shard_by_shard(tiny_target, tmp_path):
+    """Features and labels are those of a plain forward over the same text; an extraction
+    interrupted after its first shard and run again writes the same shards; a larger token budget
+    redoes only the shard whose samples changed (each shard carries a fingerprint of its samples)."""
+    from safetensors.torch import load_file
+
+    from eagle2_core.train.features import extract_features, load_features
+
+    model = tiny_target.model
+    samples = [render(tiny_target.tokenizer, read_conversations_from(r)) for r in SHAREGPT * 4]
+    full = tmp_path / "full"
+    n = extract_features(model, samples, str(full), shard_tokens=150, topk=8)
+    assert n >= 3
+    for seq, (ids, mask) in zip(load_features(str(full)), samples):
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+        probs = torch.softmax(out.logits[0].float(), -1)
+        v, i = torch.topk(probs, 8, dim=-1)
+        assert seq["input_ids"].tolist() == ids and seq["loss_mask"].tolist() == [bool(m) for m in mask]
+        torch.testing.assert_close(seq["hidden"].float(), out.hidden_states[-1][0], atol=2e-2, rtol=1e-2)  # stored in bf16
+        assert torch.equal(seq["top_ids"].long(), i)
+        torch.testing.assert_close(seq["top_probs"].float(), v, atol=1e-3, rtol=1e-3)      # stored in fp16
+
+    part = tmp_path / "part"
+    calls = []
+
+    def stop_after_first(done, total):
+        calls.append(done)
+        if done == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        extract_features(model, samples, str(part), shard_tokens=150, topk=8, progress=stop_after_first)
+    assert sorted(os.listdir(part)) == ["features-00000.safetensors"]
+    extract_features(model, samples, str(part), shard_tokens=150, topk=8)
+    names = sorted(f for f in os.listdir(full) if f.endswith(".safetensors"))
+    assert names == sorted(f for f in os.listdir(part) if f.endswith(".safetensors"))
+    for f in names:
+        a, b = load_file(str(full / f)), load_file(str(part / f))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    # More samples: the earlier full shards are kept as they are, the reshaped last one is redone.
+    before = {f: os.path.getmtime(part / f) for f in names}
+    more = samples + samples[:3]
+    m = extract_features(model, more, str(part), shard_tokens=150, topk=8)
+    kept = [f for f in names if os.path.getmtime(part / f) == before[f]]
+    assert len(kept) >= n - 1 and m >= n
+    assert sum(len(s["input_ids"]) for s in load_features(str(part))) == sum(len(s[0]) for s in more)

@@ -11,6 +11,7 @@ time, so an interrupted extraction resumes at the next shard.
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -44,10 +45,13 @@ def extract_features(model, samples: list[tuple[list[int], list[int]]], out_dir:
         path = os.path.join(out_dir, f"features-{k:05d}.safetensors")
         if k % w.size != w.rank:
             continue
-        if os.path.exists(path):
+        mark = shard_fingerprint(shard)
+        if os.path.exists(path) and shard_metadata(path).get("fingerprint") == mark:
             if progress:
                 progress(k + 1, total)
             continue
+        # Missing, or holding other samples (a run with more --original-tokens reshapes the last
+        # shard; another data file or seed changes them all): extract it (again).
         hid, fused, ids, mask, pv, pi, lens = [], [], [], [], [], [], []
         for seq, m in shard:
             x = torch.tensor(seq, device=runner.device)
@@ -68,7 +72,7 @@ def extract_features(model, samples: list[tuple[list[int], list[int]]], out_dir:
                   "top_probs": torch.cat(pv), "top_ids": torch.cat(pi), "lengths": torch.tensor(lens)}
         if layers:
             record["fused"] = torch.cat(fused)
-        save_file(record, path + ".tmp", metadata={"layers": json.dumps(list(layers or []))})
+        save_file(record, path + ".tmp", metadata={"layers": json.dumps(list(layers or [])), "fingerprint": mark})
         os.replace(path + ".tmp", path)
         if progress:
             progress(k + 1, total)
@@ -78,6 +82,24 @@ def extract_features(model, samples: list[tuple[list[int], list[int]]], out_dir:
     with open(os.path.join(out_dir, "features.json"), "w") as f:
         json.dump({"shards": total, "topk": topk, "tokens": sum(len(s[0]) for s in samples), "layers": list(layers or [])}, f)
     return total
+
+
+def shard_fingerprint(shard: list[tuple[list[int], list[int]]]) -> str:
+    """What a shard holds, as a hash of its samples' tokens and loss masks."""
+    h = hashlib.sha1()
+    for seq, mask in shard:
+        h.update(json.dumps([seq, mask]).encode())
+    return h.hexdigest()[:16]
+
+
+def shard_metadata(path: str) -> dict:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            return f.metadata() or {}
+    except Exception:  # noqa: BLE001 - a torn or foreign file is re-extracted
+        return {}
 
 
 def load_features(out_dir: str, keys: tuple[str, ...] = ("hidden", "input_ids", "loss_mask", "top_probs", "top_ids")) -> list[dict[str, torch.Tensor]]:
@@ -98,7 +120,4 @@ def load_features(out_dir: str, keys: tuple[str, ...] = ("hidden", "input_ids", 
 
 def feature_layers_of(path: str) -> list[int]:
     """The layers a shard's `fused` features were taken from ([] if none)."""
-    from safetensors import safe_open
-
-    with safe_open(path, "pt") as f:
-        return json.loads((f.metadata() or {}).get("layers", "[]"))
+    return json.loads(shard_metadata(path).get("layers", "[]"))
