@@ -21,6 +21,8 @@ import click
 @click.option("--distill-batch", default=48, show_default=True, help="Prompts answered together (a GPU takes 256 or more).")
 @click.option("--original/--no-original", default=True, show_default=True, help="Also train on the data's own assistant turns.")
 @click.option("--original-tokens", default=None, type=int, help="Extract features for at most this many tokens of the data's own turns.")
+@click.option("--mix", default="", metavar="SOURCE=W,...",
+              help="Weight of each source per epoch, e.g. distill=1,original=0.5 (default 1 each; 0 leaves one out).")
 @click.option("--features-only", is_flag=True, help="Stop after feature extraction; the same command without it trains.")
 @click.option("--epochs", default=10, show_default=True)
 @click.option("--lr", default=5e-4, show_default=True)
@@ -36,7 +38,7 @@ import click
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--seed", default=0, show_default=True)
 def train(model, data, output, arch, work_dir, resume, self_distill, distill_prompts, distill_max_new_tokens, distill_batch, original,
-          original_tokens, features_only, epochs, lr,
+          original_tokens, mix, features_only, epochs, lr,
           batch_tokens, max_len, ttt_steps, draft_vocab, init_head, time_budget, dtype, device, trust_remote_code, seed):
     """Train an EAGLE draft head for MODEL.
 
@@ -64,6 +66,7 @@ def train(model, data, output, arch, work_dir, resume, self_distill, distill_pro
         device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
     if not data:
         raise click.UsageError("give training data with --data FILE (ShareGPT, messages or prompt JSONL)")
+    weights = parse_mix(mix)
     from .options import quiet_transformers
 
     quiet_transformers()
@@ -77,7 +80,7 @@ def train(model, data, output, arch, work_dir, resume, self_distill, distill_pro
                       seed=seed, time_budget_s=time_budget * 60 if time_budget else None, init_head=init_head)
     job = TrainJob(data=list(data), out_dir=output, work_dir=work_dir or output.rstrip("/") + ".work", self_distill=self_distill,
                    distill_prompts=distill_prompts, distill_max_new_tokens=distill_max_new_tokens, distill_batch=distill_batch, use_original=original,
-                   max_original_tokens=original_tokens, features_only=features_only,
+                   max_original_tokens=original_tokens, features_only=features_only, mix=weights,
                    max_len=max_len, seed=seed, config=cfg)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=console)
@@ -105,3 +108,18 @@ def train(model, data, output, arch, work_dir, resume, self_distill, distill_pro
         return
     console.print(f"head saved to {os.path.abspath(result['out_dir'])}: best held-out tau {result['best_tau']:.2f}, "
                   f"{result['tokens_seen']} tokens seen in {result['train_s'] / 60:.1f} min of training")
+
+
+def parse_mix(text: str) -> dict[str, float]:
+    """`distill=1,original=0.5` -> {"distill": 1.0, "original": 0.5}; a bad entry is a usage error."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, w = part.partition("=")
+        try:
+            value = float(w)
+        except ValueError:
+            value = -1.0
+        if name not in ("distill", "original") or value < 0:
+            raise click.BadParameter(f"{part!r}: expected distill=W or original=W with W >= 0", param_hint="--mix")
+        out[name] = value
+    return out

@@ -252,3 +252,32 @@ def test_prefill_extraction_equals_a_plain_forward_and_resumes_shard_by_shard(ti
     kept = [f for f in names if os.path.getmtime(part / f) == before[f]]
     assert len(kept) >= n - 1 and m >= n
     assert sum(len(s["input_ids"]) for s in load_features(str(part))) == sum(len(s[0]) for s in more)
+
+
+def test_a_weighted_mix_of_sources_trains_end_to_end(tiny_target, tmp_path):
+    """Self-distilled and original features in one run, weighted per epoch by --mix."""
+    import dataclasses
+    import random
+
+    from click.testing import CliRunner
+
+    from eagle2_cli.main import cli
+    from eagle2_core.train.features import load_features
+    from eagle2_core.train.pipeline import run_training, weighted
+
+    seqs = list(range(10))
+    assert len(weighted(seqs, 2.5, random.Random(0))) == 25 and weighted(seqs, 0, random.Random(0)) == []
+    assert sorted(set(weighted(seqs, 0.5, random.Random(0)))) != seqs and len(set(weighted(seqs, 1.5, random.Random(0)))) == 10
+
+    data = tmp_path / "sharegpt.json"
+    write_truncated_sharegpt(data, SHAREGPT * 4, {"id": "cut", "conversations": []})
+    job = dataclasses.replace(_tiny_job(tmp_path, data), mix={"distill": 2.0, "original": 0.5})
+    result = run_training(tiny_target, job, log=lambda m: None)
+    assert result["steps"] > 0
+    meta = json.load(open(os.path.join(job.out_dir, "eagle2.json")))
+    base = {s: [len(x["input_ids"]) for x in load_features(os.path.join(job.work_dir, d))]
+            for s, d in (("distill", "features"), ("original", "features-original"))}
+    assert meta["tokens_by_source"]["distill"] == 2 * sum(base["distill"])
+    assert meta["tokens_by_source"]["original"] < sum(base["original"]) and meta["mix"] == {"distill": 2.0, "original": 0.5}
+    r = CliRunner().invoke(cli, ["train", "--data", str(data), "-o", str(tmp_path / "x"), "--mix", "original=-1"])
+    assert r.exit_code == 2 and "--mix" in r.output

@@ -37,6 +37,7 @@ class TrainJob:
     use_original: bool = True          # also train on the data's own assistant turns
     max_original_tokens: int | None = None  # extract at most this many tokens of them (None: all)
     features_only: bool = False        # stop after feature extraction (train later, or elsewhere)
+    mix: dict[str, float] = field(default_factory=dict)  # source -> weight per epoch ("distill", "original"; default 1)
     max_len: int = 1024
     eval_prompts: int = 8
     eval_max_new_tokens: int = 64
@@ -46,6 +47,15 @@ class TrainJob:
 
 def _stage(log, name):
     log(f"== {name}")
+
+
+def weighted(seqs: list, weight: float, rng: random.Random) -> list:
+    """A source's sequences at `weight` per epoch: each whole unit repeats them all, the fraction
+    adds a random subset (0 drops the source; 0.5 trains on half of it)."""
+    if weight < 0:
+        raise ValueError(f"a source weight must be >= 0, not {weight}")
+    whole, frac = int(weight), weight - int(weight)
+    return seqs * whole + rng.sample(seqs, round(frac * len(seqs)))
 
 
 def held_out_eval(target_model, tokenizer, prompts: list[list[int]], max_new_tokens: int, tree: TreeSettings | None = None) -> Callable:
@@ -135,12 +145,16 @@ def run_training(target, job: TrainJob, resume: bool = False, log: Callable[[str
     _stage(log, "training")
     seqs = []
     keys = (feature_key(arch), "input_ids", "loss_mask", "top_probs", "top_ids")
-    for d in (feat_dir, orig_dir):
+    counts = {}
+    for source, d in (("distill", feat_dir), ("original", orig_dir)):
         if os.path.isdir(d):
-            seqs += load_features(d, keys)
-    n_tokens = sum(len(s["input_ids"]) for s in seqs)
-    log(f"{len(seqs)} sequences, {n_tokens} tokens")
+            part = weighted(load_features(d, keys), job.mix.get(source, 1.0), random.Random(job.seed))
+            counts[source] = sum(len(s["input_ids"]) for s in part)
+            seqs += part
+    n_tokens = sum(counts.values())
+    log(f"{len(seqs)} sequences, {n_tokens} tokens per epoch (" + ", ".join(f"{k} {v}" for k, v in counts.items()) + ")")
     meta = {"arch": arch, "target": target.name, "data": job.data, "self_distill": job.self_distill, "training_tokens": n_tokens,
+            "tokens_by_source": counts, "mix": job.mix,
             "trained_with": "eagle2 train", "device": str(next(model.parameters()).device)}
     state = train_head(model, seqs, job.out_dir, job.config, os.path.join(job.work_dir, "train" + suffix), resume=resume,
                        eval_fn=held_out_eval(model, tok, eval_ids, job.eval_max_new_tokens), log=log,
