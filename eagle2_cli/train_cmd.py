@@ -23,6 +23,8 @@ import click
 @click.option("--original-tokens", default=None, type=int, help="Extract features for at most this many tokens of the data's own turns.")
 @click.option("--mix", default="", metavar="SOURCE=W,...",
               help="Weight of each source per epoch, e.g. distill=1,original=0.5 (default 1 each; 0 leaves one out).")
+@click.option("--feature-dtype", default="bfloat16", show_default=True, type=click.Choice(["bfloat16", "float8"]),
+              help="Storage of extracted features: float8 (e4m3, a scale per token) halves the disk (docs/training.md).")
 @click.option("--features-only", is_flag=True, help="Stop after feature extraction; the same command without it trains.")
 @click.option("--epochs", default=10, show_default=True)
 @click.option("--lr", default=5e-4, show_default=True)
@@ -38,7 +40,7 @@ import click
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--seed", default=0, show_default=True)
 def train(model, data, output, arch, work_dir, resume, self_distill, distill_prompts, distill_max_new_tokens, distill_batch, original,
-          original_tokens, mix, features_only, epochs, lr,
+          original_tokens, mix, feature_dtype, features_only, epochs, lr,
           batch_tokens, max_len, ttt_steps, draft_vocab, init_head, time_budget, dtype, device, trust_remote_code, seed):
     """Train an EAGLE draft head for MODEL.
 
@@ -80,7 +82,7 @@ def train(model, data, output, arch, work_dir, resume, self_distill, distill_pro
                       seed=seed, time_budget_s=time_budget * 60 if time_budget else None, init_head=init_head)
     job = TrainJob(data=list(data), out_dir=output, work_dir=work_dir or output.rstrip("/") + ".work", self_distill=self_distill,
                    distill_prompts=distill_prompts, distill_max_new_tokens=distill_max_new_tokens, distill_batch=distill_batch, use_original=original,
-                   max_original_tokens=original_tokens, features_only=features_only, mix=weights,
+                   max_original_tokens=original_tokens, features_only=features_only, mix=weights, feature_dtype=feature_dtype,
                    max_len=max_len, seed=seed, config=cfg)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=console)

@@ -281,3 +281,23 @@ def test_a_weighted_mix_of_sources_trains_end_to_end(tiny_target, tmp_path):
     assert meta["tokens_by_source"]["original"] < sum(base["original"]) and meta["mix"] == {"distill": 2.0, "original": 0.5}
     r = CliRunner().invoke(cli, ["train", "--data", str(data), "-o", str(tmp_path / "x"), "--mix", "original=-1"])
     assert r.exit_code == 2 and "--mix" in r.output
+
+
+def test_float8_feature_storage_halves_the_bytes_and_stays_close(tiny_target, tmp_path):
+    from eagle2_core.train.features import extract_features, load_features
+
+    samples = [render(tiny_target.tokenizer, read_conversations_from(r)) for r in SHAREGPT * 2]
+    extract_features(tiny_target.model, samples, str(tmp_path / "bf"), topk=8)
+    extract_features(tiny_target.model, samples, str(tmp_path / "f8"), topk=8, feature_dtype="float8")
+    a, b = load_features(str(tmp_path / "bf")), load_features(str(tmp_path / "f8"))
+    for x, y in zip(a, b):
+        assert y["hidden"].dtype == torch.bfloat16 and y["hidden"].shape == x["hidden"].shape
+        rel = ((y["hidden"].float() - x["hidden"].float()).norm(dim=-1) / x["hidden"].float().norm(dim=-1)).max()
+        assert 0 < rel < 0.06  # e4m3 keeps 3 mantissa bits: about 2-3% per row (SmolLM2: 2.2% mean)
+        assert torch.equal(x["top_ids"], y["top_ids"])
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "f8" / "features-00000.safetensors"), "pt") as f:
+        assert f.get_slice("hidden").get_dtype() == "F8_E4M3"
+    with pytest.raises(ValueError, match="feature dtype"):
+        extract_features(tiny_target.model, samples, str(tmp_path / "x"), feature_dtype="int4")

@@ -38,6 +38,7 @@ class TrainJob:
     max_original_tokens: int | None = None  # extract at most this many tokens of them (None: all)
     features_only: bool = False        # stop after feature extraction (train later, or elsewhere)
     mix: dict[str, float] = field(default_factory=dict)  # source -> weight per epoch ("distill", "original"; default 1)
+    feature_dtype: str = "bfloat16"    # how prefill-extracted features are stored (bfloat16 | float8: half the disk)
     max_len: int = 1024
     eval_prompts: int = 8
     eval_max_new_tokens: int = 64
@@ -136,7 +137,7 @@ def run_training(target, job: TrainJob, resume: bool = False, log: Callable[[str
                     budget -= len(r[0])
                     if budget <= 0:
                         break
-        extract_features(model, samples, orig_dir, layers=layers,
+        extract_features(model, samples, orig_dir, layers=layers, feature_dtype=job.feature_dtype,
                          progress=(lambda d, t: progress("features", d, t, {})) if progress else None)
     if job.features_only:
         log(f"features in {job.work_dir}; train with the same command without --features-only")
