@@ -114,8 +114,8 @@ class FixedCycle:
         hidden, features = self.run.run_body(ids, positions, self.run.static_causal_mask(positions, self.capacity), self.cache,
                                              self.seen, self.layers)
         root = pick(self.run.logits(hidden[-1:]))
-        # The prompt's pairs (f_t, x_{t+1}) go to the head in one variable-width absorb, before
-        # the fixed cycles start: pad them to a multiple of the fixed width.
+        # The prompt's pairs (f_t, x_{t+1}) go to the head in the first draft, one absorb of the
+        # prompt's width (uncaptured); every later cycle absorbs the fixed depth + 1 rows.
         self.root = torch.tensor(root, device=dev)
         self.seq_len = torch.tensor(n, device=dev)
         self.start_pos, self.n_new = torch.tensor(0, device=dev), torch.tensor(n, device=dev)
@@ -164,7 +164,7 @@ class FixedCycle:
                 setattr(self, name, getattr(self, name).clone())
 
     def _run(self, fn, *args):
-        if not self.backend or fn is self.draft_fn or fn is self.verify_fn:
+        if not self.backend or (fn is not self._draft and fn is not self._verify):  # uncaptured
             return fn(*args)
         if self.backend == "cuda-graphs":
             torch.compiler.cudagraph_mark_step_begin()
