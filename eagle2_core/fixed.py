@@ -34,7 +34,7 @@ from .sampling import target_probs
 from .target import capture_layer_inputs
 from .tree import DraftTree
 
-CAPACITY_STEP = 256  # static buffers come in multiples of this, so a longer prompt rarely means a new capture
+MIN_CAPACITY = 512  # static buffers come in powers of two from here: a new capture (and compile) per doubling only
 
 
 def _compile(fn, backend: str):
@@ -52,7 +52,7 @@ class FixedCycle:
         run = dec.runner
         self.dec, self.run, self.head, self.settings = dec, run, dec.head, dec.tree
         self.width = self.settings.depth + 1
-        self.capacity = -(-cap // CAPACITY_STEP) * CAPACITY_STEP
+        self.capacity = max(MIN_CAPACITY, 1 << (cap - 1).bit_length())
         self.cache = StaticKVCache(num_cache_layers(run.model.config), self.capacity, run.device)
         self.drafter = Drafter(dec.head, self.settings, self.capacity, fixed=True)
         self.layers = dec.head.feature_layers
