@@ -14,7 +14,8 @@ HELP = """\
 /reset             forget the conversation (keeps the system prompt)
 /system TEXT       set the system prompt (/system alone shows it, /system - clears it)
 /set key=value     change a setting: temperature, top_p, top_k, max_new_tokens, seed,
-                   total_tokens, depth, tree_top_k, draft_shape, show_draft, compare (/set alone lists them)
+                   total_tokens (a number or auto), depth, tree_top_k, draft_shape, show_draft, compare
+                   (/set alone lists them)
 /stats             statistics of the session so far
 /bench             re-measure vanilla tokens/s (the speedup baseline)
 /save FILE         write the conversation and statistics as JSON
@@ -172,7 +173,7 @@ class ChatApp:
                     if key in UI_FLAGS and "=" in a:
                         setattr(self, key, _bool(a.split("=", 1)[1]))
                     else:
-                        self.rt.gen, self.rt.tree, key = apply_setting(self.rt.gen, self.rt.tree, a)
+                        self.rt.gen, self.rt.tree, key = apply_setting(self.rt.gen, self.rt.tree, a, auto_max=self.rt.auto_max)
                     err.print(f"{key} = {getattr(self, key) if key in UI_FLAGS else settings_view(self.rt.gen, self.rt.tree)[key]}", markup=False)
                 except ValueError as e:
                     error(err, str(e))

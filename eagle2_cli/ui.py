@@ -41,7 +41,8 @@ def stats_panel(summary, tree_size: float | None, speedup: float | None, basis: 
     t.append("tau ", style="dim")
     t.append(f"{summary.tau:.2f}", style="bold")
     t.append("   tree ", style="dim")
-    t.append(f"{tree_size:.0f}" if tree_size else "-")
+    # the mean tree verified per cycle: fractional when the per-cycle budget (total_tokens=auto) chooses it
+    t.append((f"{tree_size:.0f}" if abs(tree_size - round(tree_size)) < 0.05 else f"{tree_size:.1f}") if tree_size else "-")
     t.append("   tokens/s ", style="dim")
     t.append(f"{summary.tokens_per_s:.1f}")
     t.append("   speedup ", style="dim")

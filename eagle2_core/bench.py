@@ -284,10 +284,7 @@ def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=Non
         elif name in ("static", "chain"):
             methods[name] = (runtime.eagle(dataclasses.replace(runtime.tree, shape=name), calibration=True), True)
         elif name == "auto":  # the per-cycle budget with the run's own depth and top-k
-            from .runtime import AUTO_MAX_CPU, AUTO_MAX_GPU
-
-            cap = AUTO_MAX_GPU if runtime.model.get_output_embeddings().weight.device.type == "cuda" else AUTO_MAX_CPU
-            tree = dataclasses.replace(runtime.tree, shape="dynamic", budget="auto", total_tokens=max(cap, runtime.tree.total_tokens))
+            tree = dataclasses.replace(runtime.tree, shape="dynamic", budget="auto", total_tokens=max(runtime.auto_max, runtime.tree.total_tokens))
             methods[name] = (runtime.eagle(tree, calibration=True), True)
         elif (spec := parse_tree_spec(name)) is not None:
             tree = dataclasses.replace(runtime.tree, shape="dynamic", total_tokens=spec[0], depth=spec[1], top_k=spec[2],

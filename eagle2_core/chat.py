@@ -31,8 +31,9 @@ def _key(k: str) -> str:
     return ALIASES.get(k, k)
 
 
-def apply_setting(gen: GenerationSettings, tree: TreeSettings, assignment: str) -> tuple[GenerationSettings, TreeSettings, str]:
-    """Parse `key=value` and return updated copies plus the canonical key; ValueError with a clear message."""
+def apply_setting(gen: GenerationSettings, tree: TreeSettings, assignment: str, auto_max: int = 16) -> tuple[GenerationSettings, TreeSettings, str]:
+    """Parse `key=value` and return updated copies plus the canonical key; ValueError with a clear message.
+    `total_tokens=auto` turns on the per-cycle budget (budget.py) with up to `auto_max` nodes."""
     if "=" not in assignment:
         raise ValueError(f"expected key=value, got {assignment!r}; keys: {', '.join(SETTINGS)}")
     raw_key, raw_val = assignment.split("=", 1)
@@ -43,6 +44,8 @@ def apply_setting(gen: GenerationSettings, tree: TreeSettings, assignment: str) 
     raw_val = raw_val.strip()
     if key == "seed" and raw_val.lower() in ("none", "off", ""):
         value = None
+    elif key == "total_tokens" and raw_val.lower() == "auto":
+        return gen, dataclasses.replace(tree, budget="auto", shape="dynamic", total_tokens=max(auto_max, tree.total_tokens)), key
     else:
         try:
             value = typ(raw_val)
@@ -56,13 +59,15 @@ def apply_setting(gen: GenerationSettings, tree: TreeSettings, assignment: str) 
         raise ValueError(f"{key} must be >= 0")
     if where == "gen":
         return dataclasses.replace(gen, **{name: value}), tree, key
-    new_tree = dataclasses.replace(tree, **{name: value})
+    new_tree = dataclasses.replace(tree, **{name: value}, **({"budget": "fixed"} if key == "total_tokens" else {}))
     new_tree.validate()  # ValueError names the problem
     return gen, new_tree, key
 
 
 def settings_view(gen: GenerationSettings, tree: TreeSettings) -> dict:
     g, t = dataclasses.asdict(gen), dataclasses.asdict(tree)
+    if tree.budget == "auto":
+        t["total_tokens"] = f"auto (up to {tree.total_tokens})"
     return {k: (g if where == "gen" else t)[name] for k, (where, name, _) in SETTINGS.items()}
 
 

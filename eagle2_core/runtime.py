@@ -108,6 +108,11 @@ class Runtime:
                    draft_name=draft or default_head_for(target.name) or "", compile=backend, fixed=fixed)
 
     @property
+    def auto_max(self) -> int:
+        """The largest tree `--total-tokens auto` may choose on this device."""
+        return AUTO_MAX_GPU if self.model.get_output_embeddings().weight.device.type == "cuda" else AUTO_MAX_CPU
+
+    @property
     def tokenizer(self):
         return self.target.tokenizer
 
