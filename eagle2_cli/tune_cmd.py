@@ -38,5 +38,9 @@ def tune(json_path, common):
         t.add_row(str(n), f"{ms:.1f}", f"{ms / one:.2f}")
     out.print(t)
     out.print("draft step ms by rows: " + ", ".join(f"{k}: {v:.1f}" for k, v in sorted(prof.draft_ms.items())), highlight=False)
+    if prof.lm_head_ms:
+        out.print("lm_head ms by rows: " + ", ".join(f"{k}: {v:.2f}" for k, v in sorted(prof.lm_head_ms.items()))
+                  + f"  -> greedy acceptance puts {'all tree rows in one product' if prof.rows_are_cheap(rt.tree.total_tokens) else 'internal rows first, then the leaf'}",
+                  highlight=False)
     if json_path:
         write_json(prof.to_json(), json_path, err)

@@ -18,6 +18,8 @@ import torch
 
 VERIFY_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 DRAFT_ROWS = (1, 2, 4, 8, 10)
+LM_HEAD_ROWS = (1, 2, 4, 8, 16, 32, 64)
+PROFILE_VERSION = 2  # 2: lm_head alone by rows (decides greedy acceptance's lm_head plan and the default tree)
 CONTEXT = 64  # committed tokens in the cache while measuring: a typical short prompt
 
 
@@ -26,24 +28,25 @@ class CostProfile:
     key: dict
     verify_ms: dict[int, float]             # rows -> ms of one target forward over that many tree rows
     draft_ms: dict[int, float]              # rows -> ms of one draft step over that many nodes
+    lm_head_ms: dict[int, float] = field(default_factory=dict)  # rows -> ms of the target's lm_head alone
     measured_at: float = field(default_factory=time.time)
 
     def verify_table(self, n_max: int) -> torch.Tensor:
         """ms for every n = 1 .. n_max, linear between measured sizes (and beyond the last)."""
-        xs = sorted(self.verify_ms)
-        ys = [self.verify_ms[x] for x in xs]
-        out = []
-        for n in range(1, n_max + 1):
-            if n <= xs[0]:
-                out.append(ys[0])
-            elif n >= xs[-1]:
-                slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
-                out.append(ys[-1] + max(0.0, slope) * (n - xs[-1]))
-            else:
-                j = next(i for i, x in enumerate(xs) if x >= n)
-                x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
-                out.append(y0 + (y1 - y0) * (n - x0) / (x1 - x0))
-        return torch.tensor(out, dtype=torch.float64)
+        return _table(self.verify_ms, n_max)
+
+    def lm_head_at(self, rows: int) -> float:
+        return float(_table(self.lm_head_ms, rows)[-1])
+
+    def rows_are_cheap(self, rows: int) -> bool:
+        """Whether one lm_head product over `rows` tree rows costs no more than the two-pass plan:
+        the internal rows (about half a tree) and then the one leaf row where the path ends. This
+        decides greedy acceptance's lm_head plan and whether a half-precision CPU target gets the
+        larger default tree; it replaces every per-CPU rule (AMX or not) with the measurement."""
+        if not self.lm_head_ms or rows <= 1:
+            return True
+        return self.lm_head_at(rows) <= self.lm_head_at(-(-rows // 2)) + self.lm_head_at(1)
+
 
     def draft_step_ms(self, rows: int) -> float:
         xs = sorted(self.draft_ms)
@@ -54,12 +57,32 @@ class CostProfile:
         d = asdict(self)
         d["verify_ms"] = {str(k): round(v, 3) for k, v in self.verify_ms.items()}
         d["draft_ms"] = {str(k): round(v, 3) for k, v in self.draft_ms.items()}
+        d["lm_head_ms"] = {str(k): round(v, 3) for k, v in self.lm_head_ms.items()}
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> "CostProfile":
         return cls(key=d["key"], verify_ms={int(k): float(v) for k, v in d["verify_ms"].items()},
-                   draft_ms={int(k): float(v) for k, v in d["draft_ms"].items()}, measured_at=float(d.get("measured_at", 0)))
+                   draft_ms={int(k): float(v) for k, v in d["draft_ms"].items()},
+                   lm_head_ms={int(k): float(v) for k, v in d.get("lm_head_ms", {}).items()}, measured_at=float(d.get("measured_at", 0)))
+
+
+def _table(points: dict[int, float], n_max: int) -> torch.Tensor:
+    """ms for every n = 1 .. n_max from measured (rows -> ms), linear between and beyond them."""
+    xs = sorted(points)
+    ys = [points[x] for x in xs]
+    out = []
+    for n in range(1, n_max + 1):
+        if n <= xs[0]:
+            out.append(ys[0])
+        elif n >= xs[-1]:
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+            out.append(ys[-1] + max(0.0, slope) * (n - xs[-1]))
+        else:
+            j = next(i for i, x in enumerate(xs) if x >= n)
+            x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
+            out.append(y0 + (y1 - y0) * (n - x0) / (x1 - x0))
+    return torch.tensor(out, dtype=torch.float64)
 
 
 def profile_key(model, head) -> dict:
@@ -67,7 +90,7 @@ def profile_key(model, head) -> dict:
 
     cfg = model.config.to_json_string(use_diff=False) if hasattr(model.config, "to_json_string") else str(model.config)
     w = model.get_output_embeddings().weight
-    return {"model": hashlib.sha1(cfg.encode()).hexdigest()[:16], "dtype": str(w.dtype).replace("torch.", ""),
+    return {"version": PROFILE_VERSION, "model": hashlib.sha1(cfg.encode()).hexdigest()[:16], "dtype": str(w.dtype).replace("torch.", ""),
             "device": str(w.device), "device_name": _device_name(w.device), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "head": f"{getattr(head, 'kind', 'eagle2')}:{head.spec.hidden_size}:{head_draft_rows(head)}"}
@@ -127,6 +150,10 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
             cache.truncate(CONTEXT)
 
         verify[n] = _timed(one, reps)
+    # lm_head alone, as acceptance applies it (rowgemm's few-row product where that is faster)
+    hid = torch.randn(max(LM_HEAD_ROWS), model.config.get_text_config().hidden_size if hasattr(model.config, "get_text_config")
+                      else model.config.hidden_size, device=dev, dtype=run.dtype)
+    lm_head = {n: _timed(lambda n=n: run.logits(hid[:n]).argmax(-1), reps) for n in LM_HEAD_ROWS}
     # One draft step over k nodes, with the committed context in the head's own cache.
     from .tree import causal_attention_bias
 
@@ -147,7 +174,7 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
             hcache.truncate(CONTEXT)
 
         draft[k] = _timed(step, reps)
-    return CostProfile(key=profile_key(model, head), verify_ms=verify, draft_ms=draft)
+    return CostProfile(key=profile_key(model, head), verify_ms=verify, draft_ms=draft, lm_head_ms=lm_head)
 
 
 def _cache_path(key: dict) -> str:

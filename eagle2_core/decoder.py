@@ -39,6 +39,23 @@ class Eagle2Decoder:
         self.fixed = fixed or compile is not None
         self.compile = compile          # None, or a torch.compile backend ("inductor", "cudagraphs", "aot_eager")
         self._fixed = None              # the FixedCycle (static buffers, captured functions), reused while it fits
+        self._one_product = None        # greedy acceptance: every tree row through lm_head at once? (measured)
+
+    @property
+    def lm_head_in_one_product(self) -> bool:
+        """Greedy acceptance's lm_head plan, decided from this machine's measured costs: all tree
+        rows in one product where that costs no more than the two-pass plan (a GPU; rowgemm's
+        float32 products; bf16 with AMX or AVX512-BF16), else internal rows first."""
+        if self._one_product is None:
+            if self.runner.device.type != "cpu":
+                self._one_product = True
+            else:
+                if self.costs is None:
+                    from .costs import load_or_measure
+
+                    self.costs = load_or_measure(self.runner.model, self.head)
+                self._one_product = self.costs.rows_are_cheap(self.tree.total_tokens)
+        return self._one_product
 
     def _cycle(self, cap: int):
         if not self.fixed:
@@ -158,12 +175,11 @@ class EagerCycle:
         Children are checked against their parent's argmax, so only nodes with children need
         logits up front; a leaf needs them only when the accepted path ends there (one more row).
         On a small model lm_head is a large share of the verify cost, and about half the nodes
-        of a tree are leaves. Where extra rows are nearly free (GPU, float32 CPU through
-        rowgemm's transposed product, bf16 on AMX) that second pass over lm_head's weights would
-        cost more than it saves, so all rows go in one product. The two-row-set plan remains for
-        half precision on CPUs without AMX, where a product costs in proportion to its rows.
+        of a tree are leaves. Where extra rows are nearly free that second pass over lm_head's
+        weights would cost more than it saves, so all rows go in one product; which case holds is
+        measured (`Eagle2Decoder.lm_head_in_one_product`).
         """
-        if self.run.rows_cheap:
+        if self.dec.lm_head_in_one_product:
             return accept_greedy(tree, self.run.logits(hidden).argmax(-1))
         internal = torch.zeros(tree.size, dtype=torch.bool, device=tree.tokens.device)
         internal[tree.parents[1:]] = True

@@ -14,7 +14,6 @@ import torch
 
 from .budget import choose_budget
 from .kvcache import StaticKVCache, TreeKVCache
-from .target import rows_are_cheap
 from .tree import (DraftTree, causal_attention_bias, choices_to_levels, chain_choices, rerank, select_expansion, static_causal_bias,
                    static_choices, tree_from_parents)
 
@@ -46,19 +45,23 @@ class TreeSettings:
 
     @classmethod
     def cpu_half(cls) -> "TreeSettings":
-        """A CPU running a bf16/fp16 target: with AMX, a 16-row product costs what a one-row one
-        does, so a larger tree pays (see the README's bf16 figures)."""
+        """A half-precision target on a CPU whose measured lm_head costs about the same for 16 rows
+        as for the two-pass plan (AMX tiles, AVX512-BF16): a larger tree pays there."""
         return cls(total_tokens=10, depth=3, top_k=4)
 
     @classmethod
-    def for_device(cls, device, dtype: torch.dtype | None = None) -> "TreeSettings":
+    def for_device(cls, device, dtype: torch.dtype | None = None, costs=None) -> "TreeSettings":
+        """The default tree. On a CPU with a half-precision target it follows the measured cost
+        profile (`costs.CostProfile.rows_are_cheap`): no rule per CPU family."""
         kind = torch.device(device).type
         if kind == "cuda":
             return cls.gpu()
-        if kind != "cpu" or (dtype in (torch.bfloat16, torch.float16) and rows_are_cheap(device, dtype)):
-            return cls.cpu_half()  # half precision where extra rows are nearly free (AMX, mps)
-        # float32 on any CPU (rowgemm makes rows cheaper, but each still costs), and bf16/fp16
-        # on CPUs without AMX, where every row costs in full
+        if kind != "cpu":
+            return cls.cpu_half()  # mps and other accelerators: extra rows are nearly free
+        if dtype in (torch.bfloat16, torch.float16) and costs is not None and costs.rows_are_cheap(16):
+            return cls.cpu_half()
+        # float32 on any CPU (rowgemm makes rows cheaper, but each still costs), and half
+        # precision where each row of a product costs in full (measured)
         return cls()
 
     def validate(self) -> None:

@@ -94,7 +94,12 @@ class Runtime:
         head = load_head(draft, target) if need_head else None
         out = target.model.get_output_embeddings().weight
         tree = dict(tree or {})
-        base = TreeSettings.for_device(out.device, out.dtype)
+        costs = None
+        if out.device.type == "cpu" and out.dtype in (torch.bfloat16, torch.float16) and head is not None:
+            from .costs import load_or_measure
+
+            costs = load_or_measure(target.model, head)  # the default tree follows the measured costs
+        base = TreeSettings.for_device(out.device, out.dtype, costs)
         if tree.get("total_tokens") == "auto":
             # The per-cycle budget chooses up to this many nodes; where rows cost, it keeps fewer.
             tree.update(budget="auto", total_tokens=max(base.total_tokens, AUTO_MAX_GPU if out.device.type == "cuda" else AUTO_MAX_CPU))
@@ -105,7 +110,7 @@ class Runtime:
             raise LoadError(str(e)) from None
         backend, fixed = capture_choice(out.device, settings, compile)
         return cls(target, head, settings, gen or GenerationSettings(), system_prompt, chat_template,
-                   draft_name=draft or default_head_for(target.name) or "", compile=backend, fixed=fixed)
+                   draft_name=draft or default_head_for(target.name) or "", costs=costs, compile=backend, fixed=fixed)
 
     @property
     def auto_max(self) -> int:
@@ -156,7 +161,7 @@ class Runtime:
         key = (dataclasses.astuple(tree), calibration, fixed, backend, id(self.head))
         if key not in self._decoders:
             self._decoders[key] = Eagle2Decoder(self.model, self.head, self.tokenizer, tree,
-                                                self.cost_profile() if tree.budget == "auto" else None,
+                                                self.cost_profile() if tree.budget == "auto" else self.costs,
                                                 calibration=calibration, fixed=fixed, compile=backend)
         return self._decoders[key]
 

@@ -17,27 +17,10 @@ from .tree import DraftTree, causal_attention_bias, static_causal_bias, static_t
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>", "<|end_of_text|>")
 
 
-def rows_are_cheap(device, dtype: torch.dtype | None) -> bool:
-    """Whether a product over a few more rows costs about what one row does, so that greedy
-    acceptance should put every tree row through lm_head at once. True on GPUs; for float32 on a
-    CPU through the transposed product of `rowgemm`; for bf16/fp16 on a CPU only with AMX tiles
-    (without them, as on AVX2-only CPUs, a half-precision product costs in proportion to its rows)."""
-    if torch.device(device).type != "cpu":
-        return True
-    if dtype in (torch.bfloat16, torch.float16):
-        return has_amx()
-    return True
-
-
 def context_length(config) -> int:
     """The model's position limit (its text config's max_position_embeddings), or no limit."""
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(c, "max_position_embeddings", None) or 1 << 30
-
-
-def has_amx() -> bool:
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe and probe())
 
 
 class TargetRunner:
@@ -48,7 +31,6 @@ class TargetRunner:
         self.lm_head = model.get_output_embeddings()
         self.device = self.lm_head.weight.device
         self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        self.rows_cheap = rows_are_cheap(self.device, self.dtype)  # decides how acceptance spends lm_head work
         # Float32 CPU linears go through the transposed few-row product during our forwards only
         # (rowgemm.py); one that already has an instance-level forward (an accelerate hook) is left alone.
         self.cpu_linears = [m for m in plain_linears(self.body)

@@ -6,8 +6,13 @@ any (several test files share this module).
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
+
+# Cost profiles (and any other cache) go to a folder of this test session, not the user's cache:
+# greedy decoding on a CPU measures one per model the first time it runs (costs.py).
+os.environ.setdefault("EAGLE2_CACHE", tempfile.mkdtemp(prefix="eagle2-test-cache-"))
 
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

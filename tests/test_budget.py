@@ -92,6 +92,7 @@ def test_profile_cache_remeasures_on_a_new_key_and_ignores_a_corrupt_file(tmp_pa
     a = costs.load_or_measure(model, head)
     b = costs.load_or_measure(model, head)
     assert len(calls) == 1 and b.verify_ms == pytest.approx(a.verify_ms, abs=1e-3)  # cached (rounded to the microsecond)
+    assert sorted(b.lm_head_ms) == list(costs.LM_HEAD_ROWS) and b.key["version"] == costs.PROFILE_VERSION
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)  # another thread count is another machine as far as costs go
     try:

@@ -179,17 +179,20 @@ def test_tree_option_help_states_the_real_defaults():
     assert f"per expanded node [CPU {cpu.top_k}, CPU bf16 {half.top_k}, GPU {gpu.top_k}]" in text
 
 
-def test_tree_defaults_follow_device_and_dtype(monkeypatch):
+def test_tree_defaults_follow_device_dtype_and_measured_costs():
     import torch
 
-    from eagle2_core import target
+    from eagle2_core.costs import CostProfile
 
-    for amx in (True, False):
-        monkeypatch.setattr(target, "has_amx", lambda: amx)
-        assert TreeSettings.for_device("cpu") == TreeSettings.for_device("cpu", torch.float32) == TreeSettings()
-    # a bf16 target on a CPU gets the larger tree only where AMX makes extra rows cheap
-    monkeypatch.setattr(target, "has_amx", lambda: True)
-    assert TreeSettings.for_device("cpu", torch.bfloat16) == TreeSettings.cpu_half() != TreeSettings()
-    monkeypatch.setattr(target, "has_amx", lambda: False)
-    assert TreeSettings.for_device("cpu", torch.bfloat16) == TreeSettings()
+    # lm_head ms by rows: AVX512-BF16 Zen 5 as the issue measured it (1.72 ms one row, 2.55 ms 16
+    # rows), and a CPU where every row costs in full
+    flat = CostProfile(key={}, verify_ms={1: 1.0}, draft_ms={1: 1.0}, lm_head_ms={1: 1.72, 8: 2.2, 16: 2.55, 32: 3.6})
+    linear = CostProfile(key={}, verify_ms={1: 1.0}, draft_ms={1: 1.0}, lm_head_ms={1: 2.0, 8: 16.0, 16: 32.0, 32: 64.0})
+    assert flat.rows_are_cheap(16) and not linear.rows_are_cheap(16) and linear.rows_are_cheap(1)
+    for costs in (None, flat, linear):
+        assert TreeSettings.for_device("cpu", costs=costs) == TreeSettings.for_device("cpu", torch.float32, costs) == TreeSettings()
+    # a bf16 target on a CPU gets the larger tree only where the measured lm_head rows are cheap
+    assert TreeSettings.for_device("cpu", torch.bfloat16, flat) == TreeSettings.cpu_half() != TreeSettings()
+    assert TreeSettings.for_device("cpu", torch.bfloat16, linear) == TreeSettings()
+    assert TreeSettings.for_device("cpu", torch.bfloat16) == TreeSettings()  # nothing measured yet: the small tree
     assert TreeSettings.for_device("cuda:0", torch.bfloat16) == TreeSettings.for_device("cuda", torch.float32) == TreeSettings.gpu()

@@ -130,11 +130,11 @@ def test_greedy_identity(arch_env, shape, monkeypatch):
 
 @pytest.mark.parametrize("rows_cheap", [True, False])
 def test_greedy_identity_for_both_lm_head_plans(arch_env, rows_cheap):
-    """Where extra rows are cheap (GPU, float32 CPU via rowgemm, bf16 on AMX) acceptance takes
+    """Where extra rows are measured cheap (GPU, float32 CPU via rowgemm, bf16 on AMX) acceptance takes
     every tree row's logits in one product; elsewhere internal rows first and a leaf row only
     when the path ends there. Both are forced here on the float32 tiny models."""
     dec = Eagle2Decoder(arch_env["model"], arch_env["head"], tree=SHAPES["dynamic"])
-    dec.runner.rows_cheap = rows_cheap
+    dec._one_product = rows_cheap  # what the measured profile would decide
     rows_seen = []
     real_logits = dec.runner.logits
     dec.runner.logits = lambda h: rows_seen.append(h.shape[0]) or real_logits(h)
