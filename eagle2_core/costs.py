@@ -135,19 +135,23 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
 
     run = TargetRunner(model)
     dev = run.device
+    # Stay inside the model's context: no position at or past max_position_embeddings is run
+    # (a short-context model measures fewer tree sizes; the table extrapolates beyond them).
+    context = min(CONTEXT, run.max_positions // 2)
+    verify_rows = [n for n in verify_rows if context + n <= run.max_positions] or [1]
     ctx = torch.randint(0, min(1000, model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size),
-                        (CONTEXT,), device=dev)
-    cache = TreeKVCache(num_cache_layers(model.config), CONTEXT + max(verify_rows) + 8)
-    run.forward(ctx, torch.arange(CONTEXT, device=dev), None, cache)
+                        (max(context, max(verify_rows)),), device=dev)
+    cache = TreeKVCache(num_cache_layers(model.config), context + max(verify_rows) + 8)
+    run.forward(ctx[:context], torch.arange(context, device=dev), None, cache)
     verify = {}
     for n in verify_rows:
         parents = torch.arange(-1, n - 1, device=dev)  # a chain: the mask shape does not change the cost
         tree = tree_from_parents(ctx[:n].clone(), parents)
 
         def one():
-            h = run.forward(tree.tokens, CONTEXT + tree.depth, run.tree_mask(tree, CONTEXT), cache)
+            h = run.forward(tree.tokens, context + tree.depth, run.tree_mask(tree, context), cache)
             run.logits(h).argmax(-1)
-            cache.truncate(CONTEXT)
+            cache.truncate(context)
 
         verify[n] = _timed(one, reps)
     # lm_head alone, as acceptance applies it (rowgemm's few-row product where that is faster)
@@ -158,20 +162,20 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
     from .tree import causal_attention_bias
 
     dtype = head.fc.weight.dtype
-    hcache = TreeKVCache(1, CONTEXT + max(draft_rows) + 8)
-    state = torch.zeros(1, CONTEXT, head.spec.hidden_size, device=dev, dtype=dtype)
-    head(ctx[None], state, torch.arange(CONTEXT, device=dev)[None], attention_mask=causal_attention_bias(CONTEXT, 0, dtype, dev), cache=hcache)
+    hcache = TreeKVCache(1, context + max(draft_rows) + 8)
+    state = torch.zeros(1, context, head.spec.hidden_size, device=dev, dtype=dtype)
+    head(ctx[:context][None], state, torch.arange(context, device=dev)[None], attention_mask=causal_attention_bias(context, 0, dtype, dev), cache=hcache)
     draft = {}
     for k in draft_rows:
-        allowed = torch.cat([torch.ones(k, CONTEXT, dtype=torch.bool, device=dev), torch.eye(k, dtype=torch.bool, device=dev)], 1)
+        allowed = torch.cat([torch.ones(k, context, dtype=torch.bool, device=dev), torch.eye(k, dtype=torch.bool, device=dev)], 1)
         bias = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
         tokens = ctx[:k][None]
-        pos = torch.full((1, k), CONTEXT, device=dev)
+        pos = torch.full((1, k), context, device=dev)
 
         def step():
             h = head(tokens, state[:, :k], pos, attention_mask=bias, cache=hcache)
             torch.topk(torch.log_softmax(head.draft_logits(h).float(), -1), 4, dim=-1)
-            hcache.truncate(CONTEXT)
+            hcache.truncate(context)
 
         draft[k] = _timed(step, reps)
     return CostProfile(key=profile_key(model, head), verify_ms=verify, draft_ms=draft, lm_head_ms=lm_head)
