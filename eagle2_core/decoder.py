@@ -39,22 +39,17 @@ class Eagle2Decoder:
         self.fixed = fixed or compile is not None
         self.compile = compile          # None, or a torch.compile backend ("inductor", "cudagraphs", "aot_eager")
         self._fixed = None              # the FixedCycle (static buffers, captured functions), reused while it fits
-        self._one_product = None        # greedy acceptance: every tree row through lm_head at once? (measured)
+        # Greedy acceptance's lm_head plan, from this machine's measured costs (once, here, not in a
+        # cycle): all tree rows in one product where that costs no more than the two-pass plan (a
+        # GPU; rowgemm's float32 products; bf16 with AMX or AVX512-BF16), else internal rows first.
+        if self.runner.device.type == "cpu" and self.costs is None:
+            from .costs import load_or_measure
+
+            self.costs = load_or_measure(model, head)
+        self._one_product = self.runner.device.type != "cpu" or self.costs.rows_are_cheap(self.tree.total_tokens)
 
     @property
     def lm_head_in_one_product(self) -> bool:
-        """Greedy acceptance's lm_head plan, decided from this machine's measured costs: all tree
-        rows in one product where that costs no more than the two-pass plan (a GPU; rowgemm's
-        float32 products; bf16 with AMX or AVX512-BF16), else internal rows first."""
-        if self._one_product is None:
-            if self.runner.device.type != "cpu":
-                self._one_product = True
-            else:
-                if self.costs is None:
-                    from .costs import load_or_measure
-
-                    self.costs = load_or_measure(self.runner.model, self.head)
-                self._one_product = self.costs.rows_are_cheap(self.tree.total_tokens)
         return self._one_product
 
     def _cycle(self, cap: int):

@@ -14,8 +14,8 @@ import torch
 
 from .budget import choose_budget
 from .kvcache import StaticKVCache, TreeKVCache
-from .tree import (DraftTree, causal_attention_bias, choices_to_levels, chain_choices, rerank, select_expansion, static_causal_bias,
-                   static_choices, tree_from_parents)
+from .tree import (DraftTree, additive, causal_attention_bias, choices_to_levels, chain_choices, rerank, select_expansion,
+                   static_causal_bias, static_choices, static_visible, tree_from_parents)
 
 
 @dataclass
@@ -116,12 +116,8 @@ class Drafter:
         """
         n = tokens.shape[0]
         if self.fixed:
-            cap = self.cache.capacity
-            tree_slots = ctx_len + torch.arange(visible.shape[1], device=tokens.device)
-            self.cache.slots = tree_slots[-n:]
-            allowed = (torch.arange(cap, device=tokens.device) < ctx_len)[None].expand(n, cap).clone()
-            allowed.scatter_(1, tree_slots[None].expand(n, -1), visible)
-            bias = torch.zeros(n, cap, dtype=hidden.dtype, device=tokens.device).masked_fill_(~allowed, torch.finfo(hidden.dtype).min)[None, None]
+            self.cache.slots = ctx_len + torch.arange(visible.shape[1] - n, visible.shape[1], device=tokens.device)  # this depth's rows
+            bias = additive(static_visible(visible, ctx_len, self.cache.capacity), hidden.dtype)
             positions = (pos + torch.zeros(1, n, dtype=torch.long, device=tokens.device))
         else:
             bias, positions = self._bias(visible, ctx_len, hidden.dtype), torch.full((1, n), pos, device=tokens.device)

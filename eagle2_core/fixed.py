@@ -50,7 +50,7 @@ class FixedCycle:
 
     def __init__(self, dec, cap: int):
         run = dec.runner
-        self.dec, self.run, self.head, self.settings = dec, run, dec.head, dec.tree
+        self.run, self.head, self.settings = run, dec.head, dec.tree
         self.width = self.settings.depth + 1
         self.capacity = max(MIN_CAPACITY, 1 << (cap - 1).bit_length())
         self.cache = StaticKVCache(num_cache_layers(run.model.config), self.capacity, run.device)

@@ -95,10 +95,12 @@ class Runtime:
         out = target.model.get_output_embeddings().weight
         tree = dict(tree or {})
         costs = None
-        if out.device.type == "cpu" and out.dtype in (torch.bfloat16, torch.float16) and head is not None:
+        if out.device.type == "cpu" and head is not None:
             from .costs import load_or_measure
 
-            costs = load_or_measure(target.model, head)  # the default tree follows the measured costs
+            # measured once per machine, model, dtype and threads, then cached: the default tree of a
+            # half-precision target and greedy acceptance's lm_head plan follow it
+            costs = load_or_measure(target.model, head)
         base = TreeSettings.for_device(out.device, out.dtype, costs)
         if tree.get("total_tokens") == "auto":
             # The per-cycle budget chooses up to this many nodes; where rows cost, it keeps fewer.

@@ -194,19 +194,30 @@ def static_causal_bias(positions: torch.Tensor, capacity: int, dtype: torch.dtyp
     allowed = k_pos[None, :] <= positions[:, None]
     if sliding_window is not None:
         allowed &= k_pos[None, :] > (positions[:, None] - sliding_window)
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
-    return bias.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+    return additive(allowed, dtype)
+
+
+def static_visible(visible: torch.Tensor, past_len: torch.Tensor, capacity: int) -> torch.Tensor:
+    """[n, capacity] bool: every row sees the context slots < past_len, plus the m tree rows in
+    slots past_len .. past_len + m - 1 that `visible` [n, m] marks (its ancestors and itself)."""
+    n, m, device = visible.shape[0], visible.shape[1], visible.device
+    allowed = (torch.arange(capacity, device=device) < past_len)[None].expand(n, capacity).clone()
+    allowed.scatter_(1, (past_len + torch.arange(m, device=device))[None].expand(n, -1), visible)
+    return allowed
+
+
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as the additive [1, 1, q, k] float mask every attention backend takes."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
 def static_tree_bias(tree: DraftTree, past_len: torch.Tensor, capacity: int, dtype: torch.dtype, sliding_window: int | None = None) -> torch.Tensor:
     """`tree_attention_bias` over a static cache: [1, 1, N, capacity], the tree in slots past_len + i."""
     n, device = tree.size, tree.tokens.device
     slots = past_len + torch.arange(n, device=device)
-    allowed = (torch.arange(capacity, device=device) < past_len)[None].expand(n, capacity).clone()
-    allowed.scatter_(1, slots[None].expand(n, -1), tree.ancestors)
+    allowed = static_visible(tree.ancestors, past_len, capacity)
     if sliding_window is not None:
         q_pos = past_len + tree.depth
         k_pos = torch.arange(capacity, device=device).scatter(0, slots, q_pos)
         allowed &= k_pos[None, :] > (q_pos[:, None] - sliding_window)
-    bias = torch.zeros(n, capacity, dtype=dtype, device=device)
-    return bias.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+    return additive(allowed, dtype)

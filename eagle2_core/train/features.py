@@ -52,6 +52,7 @@ def extract_features(model, samples: list[tuple[list[int], list[int]]], out_dir:
     if feature_dtype not in FEATURE_DTYPES:
         raise ValueError(f"feature dtype must be one of {', '.join(FEATURE_DTYPES)}, not {feature_dtype!r}")
     os.makedirs(out_dir, exist_ok=True)
+    keep = torch.bfloat16 if feature_dtype == "bfloat16" else torch.float32  # what a shard holds until `pack`
     runner = TargetRunner(model)
     # Group samples into shards deterministically, so a resumed run skips exactly the shards done.
     shards, cur, n = [], [], 0
@@ -83,10 +84,10 @@ def extract_features(model, samples: list[tuple[list[int], list[int]]], out_dir:
                 out = runner.body(input_ids=x[None], use_cache=False)
             h = out.last_hidden_state[0]
             if layers:
-                fused.append(fuse(seen, layers)[0].float().cpu())
+                fused.append(fuse(seen, layers)[0].to(keep).cpu())
             probs = torch.softmax(runner.logits(h), dim=-1)
             v, i = torch.topk(probs, topk, dim=-1)
-            hid.append(h.float().cpu())
+            hid.append(h.to(keep).cpu())
             pv.append(v.half().cpu())
             pi.append(i.int().cpu())
             ids.append(x.cpu())
