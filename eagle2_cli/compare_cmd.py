@@ -38,6 +38,22 @@ def _against(ctx, param, value):
     return names
 
 
+def calibration_line(comp) -> str | None:
+    """The draft's calibration (EAGLE-2 section 3) in one line, and what the per-cycle budget does about it."""
+    from eagle2_core.budget import BADLY_CALIBRATED
+
+    main = "eagle2" if "eagle2" in comp.runs else next(iter(comp.runs))
+    run = comp.runs[main]
+    gap = run.total.calibration_gap if run.speculative else None
+    if gap is None:
+        return None
+    n, a, c = run.total.calib_counts.double().sum(1).tolist()
+    verdict = (f"badly calibrated (gap > {BADLY_CALIBRATED}): {'under' if a > c else 'over'}-confident"
+               if gap > BADLY_CALIBRATED else f"well calibrated (gap <= {BADLY_CALIBRATED})")
+    fix = "; the per-cycle budget corrects by each confidence bin's measured acceptance" if gap > BADLY_CALIBRATED else ""
+    return f"calibration: mean draft confidence {c / n:.3f}, acceptance {a / n:.3f}, gap {gap:.3f}, {verdict}{fix}"
+
+
 @click.command(epilog=EPILOG)
 @click.option("--vanilla/--no-vanilla", default=True, show_default=True,
               help="Run Hugging Face generate as the baseline (speedups and identical outputs are against it).")
@@ -137,6 +153,8 @@ def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, 
     elif vanilla:
         out.print("[dim]sampling: outputs are not expected to match token for token (same distribution, different draws)[/]")
     if line := step_times_line(comp):
+        out.print(line, soft_wrap=True, highlight=False)
+    if line := calibration_line(comp):
         out.print(line, soft_wrap=True, highlight=False)
     cats = comp.per_category("eagle2")
     if cats:

@@ -204,6 +204,7 @@ class Comparison:
                      mean_tree_size=round(tot.tree_tokens / tot.cycles, 2) if tot.cycles else 0)
             if tot.calibration:  # EAGLE-2 section 3: draft confidence against measured acceptance
                 d["calibration"] = tot.calibration
+                d["calibration_gap"] = tot.calibration_gap
             if run.ops_per_cycle:
                 d["ops_per_cycle"] = run.ops_per_cycle
         if name != self.baseline:
@@ -236,6 +237,7 @@ class Comparison:
         calib = self.runs[main].total.calibration if self.runs[main].speculative else []
         if calib:
             out["calibration"] = calib
+            out["calibration_gap"] = self.runs[main].total.calibration_gap
         out["per_prompt"] = [
             {item.key: item.id, **({"category": item.category} if item.category else {}),
              **{name: {"new_tokens": r.summaries[i].new_tokens, "tokens_per_s": round(r.summaries[i].tokens_per_s, 3),

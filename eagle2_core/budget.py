@@ -7,7 +7,8 @@ probabilities (the 1 is the target's bonus token), and the best size for this cy
 that buys the most expected tokens per millisecond of verification plus drafting. Only which
 drafted nodes are verified changes, so output stays exactly the target's.
 
-Pure functions on tensors; the costs come from `costs.py`.
+Pure functions on tensors; the costs come from `costs.py`. `BudgetChooser` holds what one
+decoder has measured (cycle costs, calibration) and calls them.
 """
 from __future__ import annotations
 
@@ -34,3 +35,139 @@ def choose_budget(path_probs_desc: torch.Tensor, verify_ms: torch.Tensor, draft_
     gain = expected_tokens(path_probs_desc.double())
     rate = gain / (verify_ms[:m].double() + float(draft_ms))
     return int(torch.argmax(rate)) + 1  # argmax returns the first maximum: the smallest tree
+
+
+# --- Calibration (section 3) as evidence and as a correction -------------------------------
+
+def bin_counts(path_probs: torch.Tensor, on_path: torch.Tensor, bins: int) -> torch.Tensor:
+    """[3, bins]: nodes, nodes on the accepted path, and summed path probability, per bin of
+    path probability (bin i holds [i / bins, (i + 1) / bins))."""
+    b = (path_probs * bins).long().clamp(0, bins - 1)
+    return torch.stack([torch.bincount(b, minlength=bins).to(path_probs.dtype),
+                        torch.bincount(b, weights=on_path.to(path_probs.dtype), minlength=bins),
+                        torch.bincount(b, weights=path_probs, minlength=bins)])
+
+
+def calibration_gap(counts: torch.Tensor) -> float:
+    """Expected calibration error: the node-weighted mean |confidence - acceptance| over bins.
+    The paper's claim (section 3, figure 4) is that this is small for an EAGLE head."""
+    nodes, accepted, conf = counts.double()
+    total = float(nodes.sum())
+    return float((conf - accepted).abs().sum()) / total if total else 0.0
+
+
+# A head whose node-weighted gap exceeds this is called badly calibrated (`compare` says so).
+# The correction below is always applied, shrunk toward the draft's confidence, so on a head
+# within this gap it changes little; beyond it, it changes which sizes pay.
+BADLY_CALIBRATED = 0.03
+
+
+def calibrate(path_probs: torch.Tensor, counts: torch.Tensor, prior_nodes: float) -> torch.Tensor:
+    """Path probabilities corrected by the measured acceptance of their confidence bin.
+
+    Each bin scales its nodes by (accepted + w m) / (confidence sum + w m), where m is the bin's
+    mean confidence and w = `prior_nodes` pseudo-nodes that are perfectly calibrated: with no
+    evidence the draft's own confidence stands (the paper's finding), with much evidence the
+    bin's measured acceptance rate does. Scaling (rather than replacing by the bin mean) keeps
+    the order of nodes within a bin; results are capped at 1.
+    """
+    bins = counts.shape[1]
+    nodes, accepted, conf = counts.to(path_probs.dtype)
+    centre = (torch.arange(bins, dtype=path_probs.dtype, device=path_probs.device) + 0.5) / bins
+    m = torch.where(nodes > 0, conf / nodes.clamp(min=1), centre)
+    ratio = (accepted + prior_nodes * m) / (conf + prior_nodes * m)
+    b = (path_probs * bins).long().clamp(0, bins - 1)
+    return (path_probs * ratio[b]).clamp(max=1.0)
+
+
+class BudgetChooser:
+    """The per-cycle budget of one decoder: measured costs and calibration, refined by its cycles.
+
+    The cost profile (costs.py) is measured once per machine at a short context; real cycles
+    run at longer contexts and add acceptance and cache work, so every timed cycle refines the
+    table: a size's cost is its observed mean, shrunk toward the profile (scaled by how far the
+    observed cycles ran from it) with `prior_cycles` pseudo-cycles. Likewise the head's measured
+    calibration corrects its confidence (`calibrate`). Both only change which drafted nodes are
+    verified, so the output stays the target's. The state lives as long as the decoder, so a
+    chat's later turns choose from what its earlier ones measured.
+    """
+
+    def __init__(self, profile, max_tokens: int, step_ms: float, bins: int = 10, prior_cycles: float = 4.0, prior_nodes: float = 50.0):
+        self.prior = profile.verify_table(max_tokens)            # [max_tokens] ms by rows, float64, CPU
+        self.obs_sum = torch.zeros(max_tokens, dtype=torch.float64)
+        self.obs_n = torch.zeros(max_tokens, dtype=torch.float64)
+        # Drafting is counted in head steps (the absorb of the new pairs, then one per depth).
+        self.step_prior, self.draft_sum, self.steps_seen = float(step_ms), 0.0, 0
+        self.counts = torch.zeros(3, bins, dtype=torch.float64)  # nodes, accepted, confidence sum (bin_counts)
+        # The best child's own confidence (given its parent), averaged over expansions: how much
+        # of a front node's path probability a deeper level is expected to keep.
+        self.keep_sum, self.keep_n = 0.0, 0
+        self.prior_cycles, self.prior_nodes = prior_cycles, prior_nodes
+        self.learn_costs = True  # False: keep the profile's costs (tests that need a known cost table)
+
+    def verify_table(self) -> torch.Tensor:
+        seen = self.obs_n > 0
+        scale = float(self.obs_sum.sum() / (self.prior * self.obs_n).sum()) if seen.any() else 1.0
+        w = self.prior_cycles
+        return (w * scale * self.prior + self.obs_sum) / (w + self.obs_n)
+
+    def step_cost(self) -> float:
+        """ms of one draft step: the profile's, shrunk toward the steps this decoder timed."""
+        w = self.prior_cycles
+        return (w * self.step_prior + self.draft_sum) / (w + self.steps_seen)
+
+    def _rate(self, p: torch.Tensor, steps: int) -> float:
+        """Best expected tokens per ms over prefixes of `p` (calibrated, highest first)."""
+        p = p[: self.prior.numel() - 1]
+        gain = expected_tokens(p)
+        return float((gain / (self.verify_table()[: p.numel() + 1] + steps * self.step_cost())).max())
+
+    def choose(self, path_probs_desc: torch.Tensor, steps: int) -> int:
+        """Tree size (root included) for this cycle's reranked path probabilities, `steps` draft steps spent."""
+        p = calibrate(path_probs_desc.double().cpu(), self.counts, self.prior_nodes)
+        return choose_budget(p[: self.prior.numel() - 1], self.verify_table(), steps * self.step_cost())
+
+    def worth_expanding(self, pool_logp: torch.Tensor, front_logp: torch.Tensor, steps: int, remaining: int) -> bool:
+        """Whether drafting deeper is expected to pay (depth chosen per cycle, like the size).
+
+        Now: the best rate from the pool drafted so far with `steps` steps spent. Deeper: each of
+        the next l levels (l = 1 .. `remaining`) adds one child per front node whose path
+        probability keeps the measured share of its parent's; it pays if some l beats now. So
+        a cycle whose first guesses are weak stops after the absorb step and verifies a small
+        tree, where a fixed depth would pay for every level (on a CPU where one extra row costs
+        nearly a whole forward, often just the root).
+        """
+        cal = lambda lp: calibrate(lp.double().exp().cpu(), self.counts, self.prior_nodes)  # noqa: E731
+        pool = cal(pool_logp)
+        now = self._rate(torch.sort(pool, descending=True).values, steps)
+        keep = (self.keep_sum + 0.5 * self.prior_cycles) / (self.keep_n + self.prior_cycles)  # a half before any evidence
+        front = cal(front_logp)
+        extra = []
+        for level in range(1, remaining + 1):
+            extra.append(front * keep ** level)
+            p = torch.sort(torch.cat([pool, *extra]), descending=True).values
+            if self._rate(p, steps + level) > now:
+                return True
+        return False
+
+    def note_children(self, child_logp: torch.Tensor) -> None:
+        """One expansion: [front, k] children's log-probabilities given their parents."""
+        self.keep_sum += float(child_logp.max(-1).values.exp().sum())
+        self.keep_n += child_logp.shape[0]
+
+    def observe(self, path_probs: torch.Tensor, on_path: torch.Tensor, draft_ms: float, verify_ms: float, steps: int = 1) -> None:
+        """One verified cycle: its drafted nodes' path probabilities, which were accepted, its
+        times, and how many draft steps it took."""
+        n = path_probs.numel() + 1
+        if self.learn_costs:
+            if n <= self.obs_n.numel():
+                self.obs_sum[n - 1] += verify_ms
+                self.obs_n[n - 1] += 1
+            self.draft_sum += draft_ms
+            self.steps_seen += steps
+        if path_probs.numel():
+            self.counts += bin_counts(path_probs.double().cpu(), on_path.cpu(), self.counts.shape[1])
+
+    @property
+    def gap(self) -> float:
+        return calibration_gap(self.counts)

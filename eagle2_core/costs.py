@@ -16,10 +16,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-VERIFY_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# Every small size: row counts of one parity can cost more than the next larger one (oneDNN's
+# few-row kernels measured 3 rows dearer than 4 and 7 dearer than 8 on an AVX2 Zen 3).
+VERIFY_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64)
 DRAFT_ROWS = (1, 2, 4, 8, 10)
 LM_HEAD_ROWS = (1, 2, 4, 8, 16, 32, 64)
-PROFILE_VERSION = 2  # 2: lm_head alone by rows (decides greedy acceptance's lm_head plan and the default tree)
+PROFILE_VERSION = 3  # 2: lm_head alone by rows (decides greedy acceptance's lm_head plan and the default tree);
+                     # 3: every size to 8, timed in interleaved rounds (median), so drift hits all sizes alike
 CONTEXT = 64  # committed tokens in the cache while measuring: a typical short prompt
 
 
@@ -112,22 +115,26 @@ def _device_name(device) -> str:
         return "cpu"
 
 
-def _timed(fn, reps: int) -> float:
-    fn()  # warm-up
+def _timed(fns: dict, rounds: int) -> dict:
+    """Median ms of each function, timed in interleaved rounds (every function once per round),
+    so that a slow stretch of a shared or throttling machine lands on all of them alike rather
+    than on whichever size was being timed then."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    times = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return 1000 * times[len(times) // 2]
+    for fn in fns.values():
+        fn()  # warm-up
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[k].append(time.perf_counter() - t0)
+    return {k: 1000 * sorted(t)[len(t) // 2] for k, t in times.items()}
 
 
 @torch.no_grad()
-def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS, reps: int = 3) -> CostProfile:
+def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS, reps: int = 5) -> CostProfile:
     """Time the target's tree forward (with lm_head over every row) and one draft step."""
     from .kvcache import TreeKVCache, num_cache_layers
     from .target import TargetRunner
@@ -143,21 +150,21 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
                         (max(context, max(verify_rows)),), device=dev)
     cache = TreeKVCache(num_cache_layers(model.config), context + max(verify_rows) + 8)
     run.forward(ctx[:context], torch.arange(context, device=dev), None, cache)
-    verify = {}
-    for n in verify_rows:
-        parents = torch.arange(-1, n - 1, device=dev)  # a chain: the mask shape does not change the cost
-        tree = tree_from_parents(ctx[:n].clone(), parents)
+
+    def verify_fn(n):
+        tree = tree_from_parents(ctx[:n].clone(), torch.arange(-1, n - 1, device=dev))  # a chain: the mask shape does not change the cost
 
         def one():
             h = run.forward(tree.tokens, context + tree.depth, run.tree_mask(tree, context), cache)
             run.logits(h).argmax(-1)
             cache.truncate(context)
+        return one
 
-        verify[n] = _timed(one, reps)
+    verify = _timed({n: verify_fn(n) for n in verify_rows}, reps)
     # lm_head alone, as acceptance applies it (rowgemm's few-row product where that is faster)
     hid = torch.randn(max(LM_HEAD_ROWS), model.config.get_text_config().hidden_size if hasattr(model.config, "get_text_config")
                       else model.config.hidden_size, device=dev, dtype=run.dtype)
-    lm_head = {n: _timed(lambda n=n: run.logits(hid[:n]).argmax(-1), reps) for n in LM_HEAD_ROWS}
+    lm_head = _timed({n: (lambda n=n: run.logits(hid[:n]).argmax(-1)) for n in LM_HEAD_ROWS}, reps)
     # One draft step over k nodes, with the committed context in the head's own cache.
     from .tree import causal_attention_bias
 
@@ -165,8 +172,8 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
     hcache = TreeKVCache(1, context + max(draft_rows) + 8)
     state = torch.zeros(1, context, head.spec.hidden_size, device=dev, dtype=dtype)
     head(ctx[:context][None], state, torch.arange(context, device=dev)[None], attention_mask=causal_attention_bias(context, 0, dtype, dev), cache=hcache)
-    draft = {}
-    for k in draft_rows:
+
+    def draft_fn(k):
         allowed = torch.cat([torch.ones(k, context, dtype=torch.bool, device=dev), torch.eye(k, dtype=torch.bool, device=dev)], 1)
         bias = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
         tokens = ctx[:k][None]
@@ -176,8 +183,9 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
             h = head(tokens, state[:, :k], pos, attention_mask=bias, cache=hcache)
             torch.topk(torch.log_softmax(head.draft_logits(h).float(), -1), 4, dim=-1)
             hcache.truncate(context)
+        return step
 
-        draft[k] = _timed(step, reps)
+    draft = _timed({k: draft_fn(k) for k in draft_rows}, reps)
     return CostProfile(key=profile_key(model, head), verify_ms=verify, draft_ms=draft, lm_head_ms=lm_head)
 
 

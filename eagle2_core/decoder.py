@@ -47,6 +47,11 @@ class Eagle2Decoder:
 
             self.costs = load_or_measure(model, head)
         self._one_product = self.runner.device.type != "cpu" or self.costs.rows_are_cheap(self.tree.total_tokens)
+        self.chooser = None  # the per-cycle budget's state, kept across generations (budget.BudgetChooser)
+        if self.tree.budget == "auto" and self.tree.shape == "dynamic":
+            from .budget import BudgetChooser
+
+            self.chooser = BudgetChooser(self.costs, self.tree.total_tokens, self.costs.draft_step_ms(self.tree.top_k))
 
     @property
     def lm_head_in_one_product(self) -> bool:
@@ -95,11 +100,20 @@ class Eagle2Decoder:
                 summary.record_cycle(accepted, tree.size, deepest, t2 - t1, t3 - t2)
                 if self.calibration:
                     summary.record_calibration(tree, cycle.last_path[: accepted + 1])
+                if self.chooser is not None and tree.scores is not None:
+                    self.chooser.observe(tree.scores[1:].exp(), self._on_path(tree, cycle.last_path[: accepted + 1]),
+                                         1000 * (t2 - t1), 1000 * (t3 - t2), cycle.drafter.steps)
                 emitted = stop.push(new_tokens)
                 yield StepEvent(emitted, accepted=accepted, tree_size=tree.size, draft_s=t2 - t1, verify_s=t3 - t2)
 
         summary.finish(stop, time.perf_counter() - t0)
         yield summary
+
+    @staticmethod
+    def _on_path(tree, path) -> torch.Tensor:
+        """[tree.size - 1] 1.0 for the drafted nodes on the accepted path."""
+        on = torch.zeros(tree.size, dtype=torch.float64, device=tree.tokens.device)
+        return on.index_fill_(0, path, 1.0)[1:]
 
     def _pick(self, logits, warpers, rng) -> list[int]:
         if warpers is None:
@@ -121,7 +135,7 @@ class EagerCycle:
     def __init__(self, dec: Eagle2Decoder, cap: int):
         self.dec, self.run, self.head = dec, dec.runner, dec.head
         self.cache = TreeKVCache(num_cache_layers(self.run.model.config), cap)
-        self.drafter = Drafter(dec.head, dec.tree, cap, dec.costs)
+        self.drafter = Drafter(dec.head, dec.tree, cap, dec.chooser)
         self.layers = dec.head.feature_layers  # what the head reads: last hidden state, or EAGLE-3's fused layers
         self.last_path = None
 

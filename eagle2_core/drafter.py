@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .budget import choose_budget
 from .kvcache import StaticKVCache, TreeKVCache
 from .tree import (DraftTree, additive, causal_attention_bias, choices_to_levels, chain_choices, rerank, select_expansion,
                    static_causal_bias, static_choices, static_visible, tree_from_parents)
@@ -78,7 +77,7 @@ class TreeSettings:
 class Drafter:
     """Owns the draft head's KV cache for one generation and builds one tree per cycle."""
 
-    def __init__(self, head, settings: TreeSettings, capacity: int = 1024, costs=None, fixed: bool = False):
+    def __init__(self, head, settings: TreeSettings, capacity: int = 1024, chooser=None, fixed: bool = False):
         settings.validate()
         self.head = head
         self.settings = settings
@@ -89,13 +88,10 @@ class Drafter:
             raise ValueError("fixed shapes need a dynamic tree with a fixed budget")
         dev = head.fc.weight.device
         self.cache = StaticKVCache(1, capacity, dev) if fixed else TreeKVCache(1, capacity)
-        # With budget="auto", a measured CostProfile: verify ms by rows, and this tree's drafting ms.
-        self.verify_ms = self.draft_ms = None
-        if settings.budget == "auto" and settings.shape == "dynamic":
-            if costs is None:
-                raise ValueError("budget='auto' needs a measured cost profile (costs.load_or_measure)")
-            self.verify_ms = costs.verify_table(settings.total_tokens)
-            self.draft_ms = costs.draft_step_ms(1) + (settings.depth - 1) * costs.draft_step_ms(settings.top_k)
+        # With budget="auto", the decoder's budget.BudgetChooser: measured costs and calibration.
+        self.chooser = chooser if settings.budget == "auto" and settings.shape == "dynamic" else None
+        if self.chooser is None and settings.budget == "auto" and settings.shape == "dynamic":
+            raise ValueError("budget='auto' needs a budget.BudgetChooser (measured costs)")
         if settings.shape != "dynamic":
             choices = chain_choices(settings.depth) if settings.shape == "chain" else static_choices(settings.total_tokens, settings.depth, settings.top_k)
             self.levels = choices_to_levels(choices)
@@ -133,6 +129,7 @@ class Drafter:
         may shrink the tree near the context limit.
         """
         s = self.settings
+        self.steps = 1  # head steps this cycle (the absorb, then one per depth): what drafting cost
         budget = min(s.total_tokens if budget is None else budget, s.total_tokens) - 1
         depth = min(s.depth if max_depth is None else max_depth, s.depth)
         dev = new_tokens.device
@@ -184,9 +181,16 @@ class Drafter:
         front_scores, front_hidden = scores, h.expand(k, -1)
         visible = torch.eye(k, dtype=torch.bool, device=ids.device)  # fed-node ancestry, grows each depth
         pool_size = k
+        if self.chooser is not None:
+            self.chooser.note_children(scores[None])  # the root's children: seen every cycle, so the share never goes unmeasured
         for d in range(1, depth):
+            if self.chooser is not None and not self.chooser.worth_expanding(torch.cat(pool_scores), front_scores, self.steps, depth - d):
+                break  # depth chosen per cycle: deeper levels are not expected to pay (budget.py)
             out_h, out_logp = self._step(tokens, front_hidden, pos + d - 1, visible, ctx)
+            self.steps += 1
             child_logp, child_ids = torch.topk(out_logp, k, dim=-1)                 # [k, k]
+            if self.chooser is not None:
+                self.chooser.note_children(child_logp)
             path = front_scores[:, None] + child_logp                              # path score = product of confidences
             key = path if self.settings.expand_by == "path" else child_logp
             sel = select_expansion(key.flatten(), k)
@@ -202,11 +206,11 @@ class Drafter:
             visible = torch.cat([visible[slot], torch.eye(k, dtype=torch.bool, device=ids.device)], dim=1)
             pool_size += k * k
         pool_tokens, pool_parents, pool_scores = torch.cat(pool_tokens), torch.cat(pool_parents), torch.cat(pool_scores)
-        if self.verify_ms is not None and self.settings.rerank:
+        if self.chooser is not None and self.settings.rerank:
             # Per-cycle budget (budget.py): the reranked prefix that buys the most expected tokens
             # (1 + sum of path probabilities, EAGLE-2 section 3) per measured ms.
             best = torch.topk(pool_scores, min(budget, pool_size)).values
-            budget = choose_budget(best.exp(), self.verify_ms, self.draft_ms) - 1
+            budget = self.chooser.choose(best.exp(), self.steps) - 1
         if not self.settings.rerank:
             # Ablation: the tree is just the nodes chosen during expansion, shallowest first.
             pool_scores = torch.where(torch.cat(pool_expanded), -torch.arange(pool_size, device=ids.device, dtype=torch.float), float("-inf"))

@@ -45,39 +45,38 @@ class Summary:
     wall_s: float = 0.0
     finish_reason: str = ""
     # Calibration (EAGLE-2 section 3): drafted nodes binned by path probability, and how many of
-    # each bin were on the accepted path. Tensors on the tree's device, read only when reported.
-    calib_nodes: Any = None         # torch tensors [CALIB_BINS]; torch is imported only where used
-    calib_accepted: Any = None
-    calib_conf: Any = None
+    # each bin were on the accepted path: a [3, CALIB_BINS] tensor (nodes, accepted, confidence
+    # sum; budget.bin_counts) on the tree's device, read only when reported.
+    calib_counts: Any = None        # torch is imported only where used
 
     def record_calibration(self, tree, path) -> None:
         """Bin this cycle's drafted nodes by path probability; mark those on the accepted path."""
         import torch
 
+        from .budget import bin_counts
+
         if tree.scores is None or tree.size < 2:
             return
-        p = tree.scores[1:].float().exp()
-        b = (p * CALIB_BINS).long().clamp(0, CALIB_BINS - 1)
-        on_path = torch.zeros(tree.size, dtype=torch.float, device=p.device)
+        on_path = torch.zeros(tree.size, dtype=torch.float, device=tree.scores.device)
         on_path[path] = 1.0
-        nodes = torch.bincount(b, minlength=CALIB_BINS).float()
-        acc = torch.bincount(b, weights=on_path[1:], minlength=CALIB_BINS)
-        conf = torch.bincount(b, weights=p, minlength=CALIB_BINS)
-        if self.calib_nodes is None:
-            self.calib_nodes, self.calib_accepted, self.calib_conf = nodes, acc, conf
-        else:
-            self.calib_nodes += nodes.to(self.calib_nodes.device)
-            self.calib_accepted += acc.to(self.calib_nodes.device)
-            self.calib_conf += conf.to(self.calib_nodes.device)
+        counts = bin_counts(tree.scores[1:].float().exp(), on_path[1:], CALIB_BINS)
+        self.calib_counts = counts if self.calib_counts is None else self.calib_counts + counts.to(self.calib_counts.device)
 
     @property
     def calibration(self) -> list[dict]:
         """Bins with nodes: mean path probability (`confidence`), `nodes`, fraction `accepted`."""
-        if self.calib_nodes is None:
+        if self.calib_counts is None:
             return []
-        n, a, c = (t.cpu().tolist() for t in (self.calib_nodes, self.calib_accepted, self.calib_conf))
+        n, a, c = self.calib_counts.cpu().tolist()
         return [{"bin": [i / CALIB_BINS, (i + 1) / CALIB_BINS], "confidence": round(c[i] / n[i], 4), "nodes": int(n[i]),
                  "accepted": round(a[i] / n[i], 4)} for i in range(CALIB_BINS) if n[i]]
+
+    @property
+    def calibration_gap(self) -> float | None:
+        """Node-weighted mean |confidence - acceptance| (budget.calibration_gap); None without data."""
+        from .budget import calibration_gap
+
+        return None if self.calib_counts is None else round(calibration_gap(self.calib_counts), 4)
 
     def record_cycle(self, accepted: int, tree_size: int, deepest: int, draft_s: float, verify_s: float) -> None:
         """One cycle: draft tokens accepted, nodes verified, the tree's deepest draft depth."""
@@ -128,14 +127,8 @@ class Summary:
             while len(self.accepted_hist) <= i:
                 self.accepted_hist.append(0)
             self.accepted_hist[i] += n
-        if other.calib_nodes is not None:
-            if self.calib_nodes is None:
-                self.calib_nodes, self.calib_accepted, self.calib_conf = (t.clone() for t in (other.calib_nodes, other.calib_accepted, other.calib_conf))
-            else:
-                dev = self.calib_nodes.device
-                self.calib_nodes += other.calib_nodes.to(dev)
-                self.calib_accepted += other.calib_accepted.to(dev)
-                self.calib_conf += other.calib_conf.to(dev)
+        if other.calib_counts is not None:
+            self.calib_counts = other.calib_counts.clone() if self.calib_counts is None else self.calib_counts + other.calib_counts.to(self.calib_counts.device)
 
     def to_dict(self) -> dict:
         return {

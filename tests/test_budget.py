@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from eagle2_core import Eagle2Decoder, GenerationSettings, TreeSettings
-from eagle2_core.budget import choose_budget, expected_tokens
+from eagle2_core.budget import BudgetChooser, bin_counts, calibrate, calibration_gap, choose_budget, expected_tokens
 from eagle2_core.costs import CostProfile
 
 from test_decoder_identity import MAXPOS, VOCAB, build_cases
@@ -57,12 +57,14 @@ def test_cost_table_interpolates_between_measured_sizes():
 
 
 def test_auto_budget_is_lossless_and_varies_per_cycle(tiny_lm, fitted_head):
-    """With a cost step after 4 rows, the chooser keeps 4 nodes when the draft is unsure and
-    goes past the step when it is confident; the text is the target's either way."""
+    """With a cost step after 4 rows (a quarter of a forward), the chooser keeps 4 nodes when
+    the draft is unsure and drafts deeper and goes past the step when it is confident; the text
+    is the target's either way."""
     model = tiny_lm("llama", vocab_size=VOCAB, max_position_embeddings=MAXPOS)
     head = fitted_head(model)
-    prof = fake_profile({1: 10.0, 4: 10.5, 5: 16.0, 12: 17.0})
+    prof = fake_profile({1: 10.0, 4: 10.5, 5: 13.0, 12: 14.0})
     dec = Eagle2Decoder(model, head, tree=TreeSettings(total_tokens=12, depth=4, top_k=3, budget="auto"), costs=prof)
+    dec.chooser.learn_costs = False  # the tiny model's own timings would replace the cost step
     sizes = []
     for case in build_cases(model, seed=21):
         out = []
@@ -73,6 +75,78 @@ def test_auto_budget_is_lossless_and_varies_per_cycle(tiny_lm, fitted_head):
         assert out == case["ref"], case
     chosen = set(sizes[1:])  # the first event is the prefill
     assert {4} & chosen and any(s > 5 for s in chosen), sorted(chosen)
+
+
+def test_calibration_correction_scales_each_bin_by_its_measured_acceptance():
+    p = torch.tensor([0.05, 0.15, 0.12, 0.55], dtype=torch.float64)
+    empty = torch.zeros(3, 10, dtype=torch.float64)
+    assert calibrate(p, empty, prior_nodes=50).tolist() == pytest.approx(p.tolist())  # no evidence: the draft's confidence stands
+    # Bin 1 (0.1-0.2): 1,000 nodes of mean confidence 0.15, 300 accepted (twice as often as claimed).
+    counts = empty.clone()
+    counts[:, 1] = torch.tensor([1000.0, 300.0, 150.0])
+    out = calibrate(p, counts, prior_nodes=50)
+    r = (300 + 50 * 0.15) / (150 + 50 * 0.15)
+    assert out.tolist() == pytest.approx([0.05, 0.15 * r, 0.12 * r, 0.55])  # other bins untouched
+    assert out[1] > out[2]  # order within a bin kept
+    counts[:, 9] = torch.tensor([100.0, 100.0, 95.0])
+    assert calibrate(torch.tensor([0.99], dtype=torch.float64), counts, 50).item() == 1.0  # capped at 1
+    # Shrinkage: ten nodes move the estimate less than a thousand
+    few = empty.clone()
+    few[:, 1] = torch.tensor([10.0, 3.0, 1.5])
+    assert p[1] < calibrate(p, few, 50)[1] < out[1]
+
+
+def test_bin_counts_and_gap_on_a_hand_made_example():
+    p = torch.tensor([0.05, 0.08, 0.45, 0.41, 0.95], dtype=torch.float64)
+    on = torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    c = bin_counts(p, on, 10)
+    assert c[0, [0, 4, 9]].tolist() == [2, 2, 1] and c[1, [0, 4, 9]].tolist() == [1, 2, 1]
+    assert c[2, 0].item() == pytest.approx(0.13)
+    # |0.13 - 1| + |0.86 - 2| + |0.95 - 1| over 5 nodes
+    assert calibration_gap(c) == pytest.approx((0.87 + 1.14 + 0.05) / 5)
+    assert calibration_gap(torch.zeros(3, 10)) == 0.0
+
+
+def test_budget_chooser_learns_costs_and_calibration_from_cycles():
+    prof = fake_profile({1: 10.0, 2: 10.5, 4: 20.0, 8: 24.0}, draft=2.0)
+    ch = BudgetChooser(prof, 8, step_ms=2.0, prior_cycles=4)
+    assert ch.verify_table().tolist() == pytest.approx(prof.verify_table(8).tolist())
+    # Cycles of 2 rows run at twice the profile's cost: every size is scaled, the seen one moves to its mean.
+    for _ in range(12):
+        ch.observe(torch.tensor([0.5]), torch.tensor([1.0]), draft_ms=8.0, verify_ms=21.0, steps=2)
+    t = ch.verify_table()
+    assert t[1].item() == pytest.approx(21.0) and t[3].item() == pytest.approx(40.0)
+    assert ch.step_cost() == pytest.approx((4 * 2.0 + 12 * 8.0) / (4 + 24))
+    # An under-confident head: nodes at 0.1-0.2 accepted every other time. With that evidence a
+    # larger tree pays where the uncorrected confidence would keep the root and one node.
+    p = torch.tensor([0.55, 0.15, 0.15, 0.14, 0.13, 0.12, 0.11], dtype=torch.float64)
+    before = ch.choose(p, steps=2)
+    for _ in range(100):
+        ch.observe(torch.full((4,), 0.15), torch.tensor([1.0, 1.0, 0.0, 0.0]), draft_ms=8.0, verify_ms=40.0, steps=2)
+    assert ch.gap > 0.3 and ch.choose(p, steps=2) > before
+    frozen = BudgetChooser(prof, 8, step_ms=2.0)
+    frozen.learn_costs = False
+    frozen.observe(torch.tensor([0.5]), torch.tensor([1.0]), draft_ms=4.0, verify_ms=99.0)
+    assert frozen.verify_table().tolist() == pytest.approx(prof.verify_table(8).tolist()) and frozen.step_cost() == 2.0
+
+
+def test_depth_is_chosen_per_cycle_from_confidence_and_step_cost():
+    """Drafting deeper pays when the front is confident and steps are cheap against rows."""
+    prof = fake_profile({1: 10.0, 2: 10.2, 8: 11.0}, draft=1.0)   # rows nearly free
+    ch = BudgetChooser(prof, 8, step_ms=1.0)
+    sure, unsure = torch.log(torch.tensor([0.9, 0.05])), torch.log(torch.tensor([0.02, 0.01]))
+    assert ch.worth_expanding(sure, sure, steps=1, remaining=2)
+    assert not ch.worth_expanding(unsure, unsure, steps=1, remaining=2)  # 2% more tokens for 10% more time
+    dear = BudgetChooser(fake_profile({1: 10.0, 2: 18.0, 8: 60.0}), 8, step_ms=1.0)  # each row nearly a forward
+    assert not dear.worth_expanding(torch.log(torch.tensor([0.5, 0.3])), torch.log(torch.tensor([0.5, 0.3])), steps=1, remaining=2)
+    # the measured share a child keeps of its parent moves the decision
+    ch.note_children(torch.log(torch.full((2, 2), 1e-3)))
+    for _ in range(50):
+        ch.note_children(torch.log(torch.full((2, 2), 1e-3)))
+    mid = torch.log(torch.tensor([0.3, 0.2]))
+    assert not ch.worth_expanding(mid, mid, steps=1, remaining=1)
+    fresh = BudgetChooser(prof, 8, step_ms=1.0)
+    assert fresh.worth_expanding(mid, mid, steps=1, remaining=1)
 
 
 def test_profile_cache_remeasures_on_a_new_key_and_ignores_a_corrupt_file(tmp_path, monkeypatch, tiny_lm, fitted_head):
