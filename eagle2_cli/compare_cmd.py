@@ -142,7 +142,7 @@ def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, 
                               warmup_tokens=warmup_tokens, on_step=on_step, settings=settings)
 
     title = (f"{len(items)} prompt{'s' if len(items) != 1 else ''} from {source}, {rt.gen.max_new_tokens} new tokens max, "
-             f"{'greedy' if comp.greedy else f'temperature {rt.gen.temperature}'}, tree {t.shape} {t.total_tokens}/{t.depth}/{t.top_k}")
+             f"{'greedy' if comp.greedy else f'temperature {rt.gen.temperature}'}, tree {t.label()}")
     if json_path == "-":
         out = err  # stdout carries the JSON
     out.print(compare_table(comp, title))

@@ -270,6 +270,7 @@ def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=Non
     if vanilla:
         methods["vanilla"] = (runtime.vanilla(), False)
     methods["eagle2"] = (runtime.eagle(calibration=True), True)
+    fixed_tree = runtime.fixed_tree or runtime.tree
     for name in against:
         if name == "pld":
             methods["pld"] = (runtime.vanilla(prompt_lookup_num_tokens=PLD_TOKENS), False)
@@ -278,18 +279,17 @@ def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=Non
                 raise ValueError("sps needs an assistant model")
             methods["sps"] = (runtime.vanilla(assistant_model=assistant_model), False)
         elif name == "fixed":  # the GPU path's fixed shapes and static buffers, uncaptured
-            methods[name] = (runtime.eagle(calibration=True, compile=False, fixed=True), True)
+            methods[name] = (runtime.eagle(fixed_tree, calibration=True, compile=False, fixed=True), True)
         elif name == "compiled":  # the same, captured (CUDA graphs on a GPU, inductor on a CPU)
-            methods[name] = (runtime.eagle(calibration=True, compile=True), True)
+            methods[name] = (runtime.eagle(fixed_tree, calibration=True, compile=True), True)
         elif name == "generate-compiled":  # HF generate with a static cache and torch.compile
             methods[name] = (runtime.vanilla(compiled=True), False)
         elif name in ("static", "chain"):
-            methods[name] = (runtime.eagle(dataclasses.replace(runtime.tree, shape=name), calibration=True), True)
-        elif name == "auto":  # the per-cycle budget with the run's own depth and top-k
-            tree = dataclasses.replace(runtime.tree, shape="dynamic", budget="auto", total_tokens=max(runtime.auto_max, runtime.tree.total_tokens))
-            methods[name] = (runtime.eagle(tree, calibration=True), True)
+            methods[name] = (runtime.eagle(dataclasses.replace(fixed_tree, shape=name), calibration=True), True)
+        elif name == "auto":  # the per-cycle budget as `--total-tokens auto` sets it up
+            methods[name] = (runtime.eagle(runtime.auto_tree, calibration=True), True)
         elif (spec := parse_tree_spec(name)) is not None:
-            tree = dataclasses.replace(runtime.tree, shape="dynamic", total_tokens=spec[0], depth=spec[1], top_k=spec[2],
+            tree = dataclasses.replace(fixed_tree, shape="dynamic", total_tokens=spec[0], depth=spec[1], top_k=spec[2],
                                        budget="auto" if name.startswith("auto:") else "fixed")
             tree.validate()
             methods[name] = (runtime.eagle(tree, calibration=True), True)

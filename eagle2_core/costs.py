@@ -51,6 +51,15 @@ class CostProfile:
         return self.lm_head_at(rows) <= self.lm_head_at(-(-rows // 2)) + self.lm_head_at(1)
 
 
+    def draft_width(self, slack: float = 1.25) -> int:
+        """Top-k of the per-cycle budget's expansion: the widest draft step measured that costs at
+        most `slack` times the cheapest. A depth step feeds k front nodes and scores k x k
+        children, so where k rows cost what one does (a GPU; a CPU's few-row products) a wide
+        front is nearly free candidates, and where each row costs (bf16 without bf16 units) the
+        chooser is better served by a narrow one."""
+        best = min(self.draft_ms.values())
+        return max(k for k, ms in self.draft_ms.items() if ms <= slack * best)
+
     def draft_step_ms(self, rows: int) -> float:
         xs = sorted(self.draft_ms)
         x = min(xs, key=lambda v: abs(v - rows))

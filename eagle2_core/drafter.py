@@ -63,6 +63,12 @@ class TreeSettings:
         # precision where each row of a product costs in full (measured)
         return cls()
 
+    def label(self) -> str:
+        """`dynamic 4/2/2` (tokens/depth/top-k), or `auto (up to 16, depth 4, top-k 4)` with the per-cycle budget."""
+        if self.budget == "auto" and self.shape == "dynamic":
+            return f"auto (up to {self.total_tokens}, depth {self.depth}, top-k {self.top_k})"
+        return f"{self.shape} {self.total_tokens}/{self.depth}/{self.top_k}"
+
     def validate(self) -> None:
         if self.shape not in ("dynamic", "static", "chain"):
             raise ValueError(f"draft shape must be dynamic, static or chain, not {self.shape!r}")
@@ -90,6 +96,7 @@ class Drafter:
         self.cache = StaticKVCache(1, capacity, dev) if fixed else TreeKVCache(1, capacity)
         # With budget="auto", the decoder's budget.BudgetChooser: measured costs and calibration.
         self.chooser = chooser if settings.budget == "auto" and settings.shape == "dynamic" else None
+        self.steps = 1  # head steps of the last tree (the absorb, then one per depth), kept for the chooser
         if self.chooser is None and settings.budget == "auto" and settings.shape == "dynamic":
             raise ValueError("budget='auto' needs a budget.BudgetChooser (measured costs)")
         if settings.shape != "dynamic":
@@ -187,9 +194,9 @@ class Drafter:
             if self.chooser is not None and not self.chooser.worth_expanding(torch.cat(pool_scores), front_scores, self.steps, depth - d):
                 break  # depth chosen per cycle: deeper levels are not expected to pay (budget.py)
             out_h, out_logp = self._step(tokens, front_hidden, pos + d - 1, visible, ctx)
-            self.steps += 1
             child_logp, child_ids = torch.topk(out_logp, k, dim=-1)                 # [k, k]
-            if self.chooser is not None:
+            if self.chooser is not None:  # (host-side bookkeeping: never on the captured fixed-shape path)
+                self.steps += 1
                 self.chooser.note_children(child_logp)
             path = front_scores[:, None] + child_logp                              # path score = product of confidences
             key = path if self.settings.expand_by == "path" else child_logp

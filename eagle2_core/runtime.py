@@ -21,6 +21,7 @@ from .vanilla import VanillaDecoder
 
 RANDOM_HEAD = "random"
 AUTO_MAX_CPU, AUTO_MAX_GPU = 16, 60  # the largest tree `--total-tokens auto` may choose
+AUTO_DEPTH_CPU = 4  # the deepest expansion there; each cycle stops where deeper levels stop paying (budget.py)
 
 
 def supports_fixed(tree: TreeSettings) -> bool:
@@ -82,6 +83,8 @@ class Runtime:
     compile: str | None = None  # torch.compile backend of the fixed-shape cycle (fixed.py), None = uncaptured
     fixed: bool = False         # fixed shapes on static buffers (on with compile, and on CUDA by default)
     _decoders: dict = field(default_factory=dict, repr=False)  # one per setting: a captured cycle is compiled once
+    auto_tree: TreeSettings | None = None  # the per-cycle budget's settings (`--total-tokens auto`, `compare --against auto`)
+    fixed_tree: TreeSettings | None = None  # the tree of a fixed size (`--total-tokens N`; fixed shapes, tree:N/D/K sweeps)
 
     @classmethod
     def load(cls, model: str | None = None, draft: str | None = None, *, dtype: str = "auto", device: str = "auto",
@@ -102,17 +105,28 @@ class Runtime:
             # half-precision target and greedy acceptance's lm_head plan follow it
             costs = load_or_measure(target.model, head)
         base = TreeSettings.for_device(out.device, out.dtype, costs)
-        if tree.get("total_tokens") == "auto":
-            # The per-cycle budget chooses up to this many nodes; where rows cost, it keeps fewer.
-            tree.update(budget="auto", total_tokens=max(base.total_tokens, AUTO_MAX_GPU if out.device.type == "cuda" else AUTO_MAX_CPU))
-        settings = dataclasses.replace(base, **{k: v for k, v in tree.items() if v is not None})
+        given = {k: v for k, v in tree.items() if v is not None and k != "total_tokens"}
+        auto = dataclasses.replace(base, **{**given, "budget": "auto", "shape": "dynamic",
+                                            "total_tokens": max(base.total_tokens, AUTO_MAX_GPU if out.device.type == "cuda" else AUTO_MAX_CPU)})
+        if costs is not None:
+            # On a CPU the expansion follows the measured profile too, unless given: its width is
+            # the widest draft step that costs about what the cheapest does (costs.draft_width).
+            auto = dataclasses.replace(auto, top_k=tree.get("top_k") or costs.draft_width(), depth=tree.get("depth") or AUTO_DEPTH_CPU)
+        fixed_tree = dataclasses.replace(base, **{k: v for k, v in tree.items() if v is not None and v != "auto"})
+        # The per-cycle budget is the default where a cost profile was measured (a CPU) and the
+        # tree is dynamic; a fixed size stays on request, for captured cycles (fixed shapes) and
+        # on a GPU, where the cycle runs captured on fixed shapes.
+        default_auto = costs is not None and tree.get("total_tokens") is None and fixed_tree.shape == "dynamic" and not compile
+        settings = auto if tree.get("total_tokens") == "auto" or default_auto else fixed_tree
         try:
             settings.validate()
+            auto.validate()
+            fixed_tree.validate()
         except ValueError as e:
             raise LoadError(str(e)) from None
         backend, fixed = capture_choice(out.device, settings, compile)
         return cls(target, head, settings, gen or GenerationSettings(), system_prompt, chat_template,
-                   draft_name=draft or default_head_for(target.name) or "", costs=costs, compile=backend, fixed=fixed)
+                   draft_name=draft or default_head_for(target.name) or "", costs=costs, compile=backend, fixed=fixed, auto_tree=auto, fixed_tree=fixed_tree)
 
     @property
     def auto_max(self) -> int:

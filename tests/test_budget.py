@@ -196,14 +196,39 @@ def test_cli_tune_and_compare_against_auto(tmp_path, monkeypatch, tiny_model_dir
     assert set(prof["verify_ms"]) >= {"1", "4", "16", "64"} and prof["key"]["threads"] == torch.get_num_threads()
     out = tmp_path / "c.json"
     r = CliRunner().invoke(cli, ["compare", "--limit", "2", "-n", "8", "--model", tiny_model_dir, "--draft", tiny_head_dir,
-                                 "--depth", "3", "--tree-top-k", "3", "--against", "auto,auto:8/3/3", "--json", str(out)])
+                                 "--total-tokens", "4", "--depth", "3", "--tree-top-k", "3", "--against", "auto,auto:8/3/3", "--json", str(out)])
     assert r.exit_code == 0, r.stderr
     data = json.load(open(out))
     assert data["settings"]["cost_profile"]["verify_ms"] == prof["verify_ms"]  # the cached profile, not a new one
     assert data["auto"]["identical"] == 2 and data["auto:8/3/3"]["identical"] == 2
     assert data["auto:8/3/3"]["mean_tree_size"] <= 8 and "calibration" in data["eagle2"]
+    assert data["settings"]["tree"]["budget"] == "fixed" and data["settings"]["tree"]["total_tokens"] == 4
+    # Without --total-tokens the CPU default is the per-cycle budget, its expansion from the profile
+    r = CliRunner().invoke(cli, ["compare", "--limit", "1", "-n", "4", "--model", tiny_model_dir, "--draft", tiny_head_dir, "--json", str(out)])
+    assert r.exit_code == 0, r.stderr
+    tree = json.load(open(out))["settings"]["tree"]
+    assert tree["budget"] == "auto" and tree["top_k"] == CostProfile.from_json(prof).draft_width() and "tree auto (up to" in r.stdout
     r = CliRunner().invoke(cli, ["chat", "--prompt", "Hi", "-n", "4", "--no-calibrate", "--model", tiny_model_dir,
                                  "--draft", tiny_head_dir, "--total-tokens", "auto"])
     assert r.exit_code == 0, r.stderr
     r = CliRunner().invoke(cli, ["chat", "--prompt", "Hi", "--total-tokens", "many"])
     assert r.exit_code == 2 and "neither a number nor 'auto'" in r.stderr
+
+
+def test_auto_expansion_width_follows_the_measured_draft_step():
+    flat = CostProfile(key={}, verify_ms={1: 1.0}, draft_ms={1: 10.4, 2: 8.1, 4: 8.4, 8: 12.3, 10: 17.6})  # fp32, AVX2 Zen 3
+    linear = CostProfile(key={}, verify_ms={1: 1.0}, draft_ms={1: 5.7, 2: 7.2, 4: 11.8, 8: 20.6, 10: 25.2})  # bf16 there
+    gpu = CostProfile(key={}, verify_ms={1: 1.0}, draft_ms={1: 1.0, 2: 1.0, 4: 1.01, 8: 1.02, 10: 1.03})
+    assert (flat.draft_width(), linear.draft_width(), gpu.draft_width()) == (4, 1, 10)
+
+
+def test_runtime_auto_tree_takes_its_expansion_from_the_profile_unless_given(tmp_path, monkeypatch, tiny_model_dir, tiny_head_dir):
+    from eagle2_core.runtime import AUTO_DEPTH_CPU, AUTO_MAX_CPU, Runtime
+
+    monkeypatch.setenv("EAGLE2_CACHE", str(tmp_path))
+    rt = Runtime.load(tiny_model_dir, tiny_head_dir, device="cpu", tree={"total_tokens": "auto"})
+    assert rt.tree == rt.auto_tree and rt.tree.budget == "auto" and rt.tree.total_tokens == AUTO_MAX_CPU
+    assert rt.tree.top_k == rt.costs.draft_width() and rt.tree.depth == AUTO_DEPTH_CPU
+    rt = Runtime.load(tiny_model_dir, tiny_head_dir, device="cpu", tree={"total_tokens": 5, "depth": 3, "top_k": 7})
+    assert rt.tree.budget == "fixed" and rt.tree.total_tokens == 5
+    assert (rt.auto_tree.depth, rt.auto_tree.top_k, rt.auto_tree.budget) == (3, 7, "auto")  # what the user gave stands
