@@ -50,7 +50,9 @@ class TreeSettings:
 
     @classmethod
     def for_device(cls, device, dtype: torch.dtype | None = None, costs=None) -> "TreeSettings":
-        """The default tree. On a CPU with a half-precision target it follows the measured cost
+        """The default fixed-size tree: the GPU's, and on a CPU the one `--total-tokens N`, fixed
+        shapes and `tree:` sweeps start from (a CPU's default is the per-cycle budget,
+        `Runtime.auto_tree`). With a half-precision CPU target it follows the measured cost
         profile (`costs.CostProfile.rows_are_cheap`): no rule per CPU family."""
         kind = torch.device(device).type
         if kind == "cuda":
