@@ -48,6 +48,12 @@ def bin_counts(path_probs: torch.Tensor, on_path: torch.Tensor, bins: int) -> to
                         torch.bincount(b, weights=path_probs, minlength=bins)])
 
 
+def on_accepted_path(tree, path: torch.Tensor) -> torch.Tensor:
+    """[tree.size - 1] 1.0 for the drafted nodes (root excluded) on the accepted `path` (node indices)."""
+    on = torch.zeros(tree.size, dtype=torch.float, device=tree.tokens.device)
+    return on.index_fill_(0, path, 1.0)[1:]
+
+
 def calibration_gap(counts: torch.Tensor) -> float:
     """Expected calibration error: the node-weighted mean |confidence - acceptance| over bins.
     The paper's claim (section 3, figure 4) is that this is small for an EAGLE head."""
@@ -104,8 +110,14 @@ class BudgetChooser:
         self.keep_sum, self.keep_n = 0.0, 0
         self.prior_cycles, self.prior_nodes = prior_cycles, prior_nodes
         self.learn_costs = True  # False: keep the profile's costs (tests that need a known cost table)
+        self._table = None       # verify_table(), kept until the next observed cycle
 
     def verify_table(self) -> torch.Tensor:
+        if self._table is None:
+            self._table = self._blend()
+        return self._table
+
+    def _blend(self) -> torch.Tensor:
         seen = self.obs_n > 0
         scale = float(self.obs_sum.sum() / (self.prior * self.obs_n).sum()) if seen.any() else 1.0
         w = self.prior_cycles
@@ -165,6 +177,7 @@ class BudgetChooser:
                 self.obs_n[n - 1] += 1
             self.draft_sum += draft_ms
             self.steps_seen += steps
+            self._table = None
         if path_probs.numel():
             self.counts += bin_counts(path_probs.double().cpu(), on_path.cpu(), self.counts.shape[1])
 

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import torch
 
 from .accept import accept_greedy, accept_sampling
+from .budget import BudgetChooser, on_accepted_path
 from .drafter import Drafter, TreeSettings
 from .events import GenerationSettings, StepEvent, StopChecker, Summary, collect
 from .kvcache import TreeKVCache, num_cache_layers
@@ -49,8 +50,6 @@ class Eagle2Decoder:
         self._one_product = self.runner.device.type != "cpu" or self.costs.rows_are_cheap(self.tree.total_tokens)
         self.chooser = None  # the per-cycle budget's state, kept across generations (budget.BudgetChooser)
         if self.tree.budget == "auto" and self.tree.shape == "dynamic":
-            from .budget import BudgetChooser
-
             self.chooser = BudgetChooser(self.costs, self.tree.total_tokens, self.costs.draft_step_ms(self.tree.top_k))
 
     @property
@@ -101,19 +100,13 @@ class Eagle2Decoder:
                 if self.calibration:
                     summary.record_calibration(tree, cycle.last_path[: accepted + 1])
                 if self.chooser is not None and tree.scores is not None:
-                    self.chooser.observe(tree.scores[1:].exp(), self._on_path(tree, cycle.last_path[: accepted + 1]),
+                    self.chooser.observe(tree.scores[1:].exp(), on_accepted_path(tree, cycle.last_path[: accepted + 1]),
                                          1000 * (t2 - t1), 1000 * (t3 - t2), cycle.drafter.steps)
                 emitted = stop.push(new_tokens)
                 yield StepEvent(emitted, accepted=accepted, tree_size=tree.size, draft_s=t2 - t1, verify_s=t3 - t2)
 
         summary.finish(stop, time.perf_counter() - t0)
         yield summary
-
-    @staticmethod
-    def _on_path(tree, path) -> torch.Tensor:
-        """[tree.size - 1] 1.0 for the drafted nodes on the accepted path."""
-        on = torch.zeros(tree.size, dtype=torch.float64, device=tree.tokens.device)
-        return on.index_fill_(0, path, 1.0)[1:]
 
     def _pick(self, logits, warpers, rng) -> list[int]:
         if warpers is None:

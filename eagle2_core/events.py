@@ -53,13 +53,11 @@ class Summary:
         """Bin this cycle's drafted nodes by path probability; mark those on the accepted path."""
         import torch
 
-        from .budget import bin_counts
+        from .budget import bin_counts, on_accepted_path
 
         if tree.scores is None or tree.size < 2:
             return
-        on_path = torch.zeros(tree.size, dtype=torch.float, device=tree.scores.device)
-        on_path[path] = 1.0
-        counts = bin_counts(tree.scores[1:].float().exp(), on_path[1:], CALIB_BINS)
+        counts = bin_counts(tree.scores[1:].float().exp(), on_accepted_path(tree, torch.as_tensor(path, device=tree.tokens.device)), CALIB_BINS)
         self.calib_counts = counts if self.calib_counts is None else self.calib_counts + counts.to(self.calib_counts.device)
 
     @property
