@@ -230,17 +230,6 @@ class Eagle3Head(nn.Module):
                 json.dump(metadata, f, indent=2)
 
 
-def is_eagle3(config: dict, keys, where: str = "draft head") -> bool:
-    """Tell the formats apart by what the checkpoint holds, then by its config."""
-    three = any(k.startswith("midlayer.") for k in keys) or "d2t" in keys
-    two = any(k.startswith("layers.0.") for k in keys)
-    if three and two:
-        raise HeadMismatchError(f"{where}: the weights mix EAGLE-1/2 tensors (layers.0.*) with EAGLE-3 ones (midlayer.*, d2t); not a head of either format")
-    if three or two:
-        return three
-    return "Eagle3" in " ".join(config.get("architectures") or []) or "draft_vocab_size" in config
-
-
 def check_eagle3_fits(spec: Eagle3Spec, target_model, where: str = "EAGLE-3 head") -> None:
     hidden, vocab = target_dims(target_model)
     want = spec.target_hidden_size or spec.hidden_size

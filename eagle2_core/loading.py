@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .head import load_head_folder
+from .headfiles import load_head_folder
 
 # Published heads for known targets (SafeAILab's README), so `--model` alone suffices. Where a
 # target has both, the EAGLE-3 head wins (EAGLE-3 paper: about 1.4x over EAGLE-2); the EAGLE-1/2

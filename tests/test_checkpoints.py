@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from eagle2_core import Eagle2Decoder, GenerationSettings, TreeSettings
-from eagle2_core.head import DraftHead, HeadMismatchError, HeadSpec, load_head_folder
+from eagle2_core.head import DraftHead, HeadMismatchError, HeadSpec
+from eagle2_core.headfiles import load_head_folder
 from eagle2_core.loading import HUB_HEAD_FILES, LoadedTarget, LoadError, load_draft_head
 
 VOCAB, HIDDEN, INTER, HEADS, KV = 12, 32, 64, 4, 2

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from eagle2_core import Eagle2Decoder, GenerationSettings, Summary, TreeSettings
 from eagle2_core.eagle3 import EAGLE3_ARCHITECTURE, Eagle3Head, Eagle3Spec, default_feature_layers
-from eagle2_core.head import DraftHead, HeadMismatchError, load_head_folder
+from eagle2_core.head import DraftHead, HeadMismatchError
+from eagle2_core.headfiles import load_head_folder
 from eagle2_core.target import TargetRunner, capture_layer_inputs, fuse
 
 from conftest import CORE_ARCHS, distill_tiny_head, tiny_eagle3_head

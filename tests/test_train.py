@@ -93,7 +93,7 @@ def _tiny_job(tmp_path, data_path, **cfg_overrides):
 
 def test_train_end_to_end_then_decode_losslessly(tiny_target, tmp_path):
     from eagle2_core import Eagle2Decoder, GenerationSettings, TreeSettings
-    from eagle2_core.head import load_head_folder
+    from eagle2_core.headfiles import load_head_folder
     from eagle2_core.train.pipeline import run_training
 
     data = tmp_path / "sharegpt.json"

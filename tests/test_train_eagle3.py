@@ -42,7 +42,7 @@ def _job(tmp_path, data, **kw):
 def test_train_eagle3_end_to_end_then_decode_losslessly(tiny8_target, tmp_path):
     from eagle2_core import Eagle2Decoder, GenerationSettings, TreeSettings
     from eagle2_core.eagle3 import Eagle3Head
-    from eagle2_core.head import load_head_folder
+    from eagle2_core.headfiles import load_head_folder
     from eagle2_core.train.pipeline import run_training
 
     data = tmp_path / "sharegpt.json"

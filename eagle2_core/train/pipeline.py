@@ -17,7 +17,7 @@ import torch
 from ..decoder import Eagle2Decoder
 from ..drafter import TreeSettings
 from ..events import GenerationSettings, Summary
-from ..head import build_head
+from ..headfiles import build_head
 from .data import ReadReport, first_user_prompts, read_conversations, render
 from .distill import self_distill
 from .features import extract_features, load_features

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from ..eagle3 import Eagle3Head, Eagle3Spec, default_feature_layers, num_target_layers
-from ..head import DraftHead, HeadSpec, build_head, check_fits, read_head_folder
+from ..head import DraftHead, HeadSpec
+from ..headfiles import build_head, check_fits, read_head_folder
 from .parallel import World, check_replicas_agree, sync_gradients, world
 
 ARCHS = ("eagle2", "eagle3")
