@@ -146,7 +146,7 @@ def _timed(fns: dict, rounds: int) -> dict:
 def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS, reps: int = 5) -> CostProfile:
     """Time the target's tree forward (with lm_head over every row) and one draft step."""
     from .kvcache import TreeKVCache, num_cache_layers
-    from .target import TargetRunner
+    from .target import TargetRunner, text_config
     from .tree import tree_from_parents
 
     run = TargetRunner(model)
@@ -155,7 +155,7 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
     # (a short-context model measures fewer tree sizes; the table extrapolates beyond them).
     context = min(CONTEXT, run.max_positions // 2)
     verify_rows = [n for n in verify_rows if context + n <= run.max_positions] or [1]
-    ctx = torch.randint(0, min(1000, model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size),
+    ctx = torch.randint(0, min(1000, text_config(model.config).vocab_size),
                         (max(context, max(verify_rows)),), device=dev)
     cache = TreeKVCache(num_cache_layers(model.config), context + max(verify_rows) + 8)
     run.forward(ctx[:context], torch.arange(context, device=dev), None, cache)
@@ -171,8 +171,7 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
 
     verify = _timed({n: verify_fn(n) for n in verify_rows}, reps)
     # lm_head alone, as acceptance applies it (rowgemm's few-row product where that is faster)
-    hid = torch.randn(max(LM_HEAD_ROWS), model.config.get_text_config().hidden_size if hasattr(model.config, "get_text_config")
-                      else model.config.hidden_size, device=dev, dtype=run.dtype)
+    hid = torch.randn(max(LM_HEAD_ROWS), text_config(model.config).hidden_size, device=dev, dtype=run.dtype)
     lm_head = _timed({n: (lambda n=n: run.logits(hid[:n]).argmax(-1)) for n in LM_HEAD_ROWS}, reps)
     # One draft step over k nodes, with the committed context in the head's own cache.
     from .tree import causal_attention_bias

@@ -33,6 +33,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 
 from .head import HeadMismatchError, HeadSpec, target_dims
 from .rowgemm import linear_rows, make_row_linears
+from .target import text_config
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 # Custom feature layers, as vLLM reads them: "the input of layer k" (SGLang reads the same key
@@ -47,8 +48,7 @@ def default_feature_layers(num_layers: int) -> tuple[int, int, int]:
 
 
 def num_target_layers(target_config) -> int:
-    c = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    return c.num_hidden_layers
+    return text_config(target_config).num_hidden_layers
 
 
 @dataclass

@@ -27,6 +27,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
 from .rowgemm import linear_rows, make_row_linears
+from .target import text_config
 
 DRAFT_VOCAB_FILE = "eagle2_draft_vocab.safetensors"
 METADATA_FILE = "eagle2.json"
@@ -121,7 +122,7 @@ class HeadSpec:
     @classmethod
     def for_target(cls, target_config, intermediate_size: int | None = None) -> "HeadSpec":
         """A head shaped like one layer of the target (what `eagle2 train` creates)."""
-        c = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        c = text_config(target_config)
         rope = getattr(c, "rope_parameters", None) or {}
         head_dim = getattr(c, "head_dim", None)
         return cls(
@@ -243,7 +244,7 @@ class DraftHead(nn.Module):
 
 def target_dims(target_model) -> tuple[int, int]:
     """(hidden size, vocabulary rows of lm_head) of a target model."""
-    c = target_model.config.get_text_config() if hasattr(target_model.config, "get_text_config") else target_model.config
+    c = text_config(target_model.config)
     out = target_model.get_output_embeddings()
     vocab = out.weight.shape[0] if out is not None and getattr(out, "weight", None) is not None else c.vocab_size
     return c.hidden_size, vocab

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .target import text_config
+
 
 class TreeKVLayer(CacheLayerMixin):
     is_sliding = False  # we keep every position; sliding windows are applied by the attention mask
@@ -97,8 +99,7 @@ class TreeKVCache(Cache):
 
 
 def num_cache_layers(config) -> int:
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return config.num_hidden_layers
+    return text_config(config).num_hidden_layers
 
 
 class StaticKVLayer(CacheLayerMixin):

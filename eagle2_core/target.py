@@ -17,16 +17,21 @@ from .tree import DraftTree, causal_attention_bias, static_causal_bias, static_t
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>", "<|end_of_text|>")
 
 
+def text_config(config):
+    """The language model's own config: a multimodal config's text part, else the config itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def context_length(config) -> int:
     """The model's position limit (its text config's max_position_embeddings), or no limit."""
-    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    c = text_config(config)
     return getattr(c, "max_position_embeddings", None) or 1 << 30
 
 
 class TargetRunner:
     def __init__(self, model):
         self.model = model
-        self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.config = text_config(model.config)
         self.body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.lm_head = model.get_output_embeddings()
         self.device = self.lm_head.weight.device
