@@ -174,7 +174,7 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
     hid = torch.randn(max(LM_HEAD_ROWS), text_config(model.config).hidden_size, device=dev, dtype=run.dtype)
     lm_head = _timed({n: (lambda n=n: run.logits(hid[:n]).argmax(-1)) for n in LM_HEAD_ROWS}, reps)
     # One draft step over k nodes, with the committed context in the head's own cache.
-    from .tree import causal_attention_bias
+    from .tree import additive, appended_visible, causal_attention_bias
 
     dtype = head.fc.weight.dtype
     hcache = TreeKVCache(1, context + max(draft_rows) + 8)
@@ -182,8 +182,7 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
     head(ctx[:context][None], state, torch.arange(context, device=dev)[None], attention_mask=causal_attention_bias(context, 0, dtype, dev), cache=hcache)
 
     def draft_fn(k):
-        allowed = torch.cat([torch.ones(k, context, dtype=torch.bool, device=dev), torch.eye(k, dtype=torch.bool, device=dev)], 1)
-        bias = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+        bias = additive(appended_visible(torch.eye(k, dtype=torch.bool, device=dev), context), dtype)
         tokens = ctx[:k][None]
         pos = torch.full((1, k), context, device=dev)
 

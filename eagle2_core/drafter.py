@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .kvcache import StaticKVCache, TreeKVCache
-from .tree import (DraftTree, additive, causal_attention_bias, choices_to_levels, chain_choices, rerank, select_expansion,
+from .tree import (DraftTree, additive, appended_visible, causal_attention_bias, choices_to_levels, chain_choices, rerank, select_expansion,
                    static_causal_bias, static_choices, static_visible, tree_from_parents)
 
 
@@ -105,12 +105,6 @@ class Drafter:
             choices = chain_choices(settings.depth) if settings.shape == "chain" else static_choices(settings.total_tokens, settings.depth, settings.top_k)
             self.levels = choices_to_levels(choices)
 
-    def _bias(self, rows_visible_tree: torch.Tensor, ctx_len: int, dtype) -> torch.Tensor:
-        n = rows_visible_tree.shape[0]
-        allowed = torch.cat([torch.ones(n, ctx_len, dtype=torch.bool, device=rows_visible_tree.device), rows_visible_tree], 1)
-        bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-        return bias.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
-
     def _step(self, tokens, hidden, pos, visible: torch.Tensor, ctx_len):
         """Feed one depth of tree nodes; returns their draft hidden states and log-probs.
 
@@ -125,7 +119,7 @@ class Drafter:
             bias = additive(static_visible(visible, ctx_len, self.cache.capacity), hidden.dtype)
             positions = (pos + torch.zeros(1, n, dtype=torch.long, device=tokens.device))
         else:
-            bias, positions = self._bias(visible, ctx_len, hidden.dtype), torch.full((1, n), pos, device=tokens.device)
+            bias, positions = additive(appended_visible(visible, ctx_len), hidden.dtype), torch.full((1, n), pos, device=tokens.device)
         h = self.head(tokens[None], hidden[None], positions, attention_mask=bias, cache=self.cache)[0]
         return h, torch.log_softmax(self.head.draft_logits(h).float(), dim=-1)
 

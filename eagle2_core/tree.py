@@ -159,16 +159,13 @@ def tree_attention_bias(tree: DraftTree, past_len: int, dtype: torch.dtype, slid
     attention). With a sliding window, a node at absolute position q sees keys at positions > q - w.
     An additive float mask works with every attention backend (eager, sdpa, flex via conversion).
     """
-    n = tree.size
     device = tree.tokens.device
-    allowed = torch.cat([torch.ones(n, past_len, dtype=torch.bool, device=device), tree.ancestors], dim=1)
+    allowed = appended_visible(tree.ancestors, past_len)
     if sliding_window is not None:
         q_pos = past_len + tree.depth  # absolute position of each node
         k_pos = torch.cat([torch.arange(past_len, device=device), past_len + tree.depth])
         allowed &= k_pos[None, :] > (q_pos[:, None] - sliding_window)
-    bias = torch.zeros(n, past_len + n, dtype=dtype, device=device)
-    bias.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return bias[None, None]
+    return additive(allowed, dtype)
 
 
 def causal_attention_bias(q_len: int, past_len: int, dtype: torch.dtype, device, sliding_window: int | None = None) -> torch.Tensor:
@@ -178,9 +175,21 @@ def causal_attention_bias(q_len: int, past_len: int, dtype: torch.dtype, device,
     allowed = k_pos[None, :] <= q_pos[:, None]
     if sliding_window is not None:
         allowed &= k_pos[None, :] > (q_pos[:, None] - sliding_window)
-    bias = torch.zeros(q_len, past_len + q_len, dtype=dtype, device=device)
-    bias.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return bias[None, None]
+    return additive(allowed, dtype)
+
+
+def appended_visible(visible: torch.Tensor, past_len: int) -> torch.Tensor:
+    """[n, past_len + m] bool over a growable cache: every row sees the past_len context keys, plus
+    the m rows appended after them that `visible` [n, m] marks (its ancestors and itself)."""
+    ctx = torch.ones(visible.shape[0], past_len, dtype=torch.bool, device=visible.device)
+    return torch.cat([ctx, visible], dim=1)
+
+
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask [q, k] (or [batch, q, k]) as the additive [1 or batch, 1, q, k] float mask every
+    attention backend takes: 0 where a key is seen, the dtype's lowest value where it is not."""
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return bias[None, None] if allowed.dim() == 2 else bias[:, None]
 
 
 # -- the same masks over a static cache (fixed shapes, issue 16) ------------------------------
@@ -204,11 +213,6 @@ def static_visible(visible: torch.Tensor, past_len: torch.Tensor, capacity: int)
     allowed = (torch.arange(capacity, device=device) < past_len)[None].expand(n, capacity).clone()
     allowed.scatter_(1, (past_len + torch.arange(m, device=device))[None].expand(n, -1), visible)
     return allowed
-
-
-def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool mask as the additive [1, 1, q, k] float mask every attention backend takes."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
 def static_tree_bias(tree: DraftTree, past_len: torch.Tensor, capacity: int, dtype: torch.dtype, sliding_window: int | None = None) -> torch.Tensor:

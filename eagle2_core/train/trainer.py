@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from ..eagle3 import Eagle3Head, Eagle3Spec, default_feature_layers, num_target_layers
 from ..head import DraftHead, HeadSpec
 from ..headfiles import build_head, check_fits, read_head_folder
+from ..tree import additive
 from .parallel import World, check_replicas_agree, sync_gradients, world
 
 ARCHS = ("eagle2", "eagle3")
@@ -172,8 +173,7 @@ def ttt_mask(L: int, step: int, valid: torch.Tensor, dtype) -> torch.Tensor:
         blocks.append(a[None, :] == (a[:, None] - step + i))
     allowed = torch.cat(blocks, dim=1)[None] & valid.repeat(1, step + 1)[:, None, :]
     allowed |= torch.cat([torch.zeros(L, L * step, dtype=torch.bool, device=dev), torch.eye(L, dtype=torch.bool, device=dev)], 1)[None]
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=dev)
-    return bias.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+    return additive(allowed, dtype)
 
 
 def batch_loss(head, batch, cfg: TrainConfig, gen: torch.Generator) -> tuple[torch.Tensor, dict]:
