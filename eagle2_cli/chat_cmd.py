@@ -121,14 +121,14 @@ class ChatApp:
                         break
                     view.add(detok.push(ev))
                     live.update(ev)
-                    view.set_stats(self._panel(live.summary, live.mean_tree_size))
+                    view.set_stats(self._panel(live.summary, live.summary.mean_tree_size))
                 view.add([(detok.flush(), False)])
             except KeyboardInterrupt:
                 interrupted = True
                 stream.close()
                 summary = live.summary
                 summary.finish_reason = "interrupted"
-            tree = summary.tree_tokens / summary.cycles if summary.cycles else 0.0
+            tree = summary.mean_tree_size
             if self.compare and not interrupted:
                 view.set_stats(self._panel(summary, tree, extra="running vanilla on the same prompt..."))
                 v_tokens, vanilla = rt.vanilla().generate(ids, rt.gen)
@@ -199,7 +199,7 @@ class ChatApp:
             vanilla = Summary()
             for v in self.vanilla_turns:
                 vanilla.merge(v)
-        tree = tot.tree_tokens / tot.cycles if tot.cycles else 0.0
+        tree = tot.mean_tree_size
         panel = self._panel(tot, tree, vanilla, extra=f"{len(self.conv.turns)} answers this session", title="session")
         if vanilla is not None:  # the basis says "this prompt": over the session it is all --compare turns
             speedup = tot.tokens_per_s / vanilla.tokens_per_s if vanilla.tokens_per_s else None

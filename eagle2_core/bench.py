@@ -201,7 +201,7 @@ class Comparison:
         if run.speculative:
             d.update(tau=round(tot.tau, 4), acceptance_by_depth=[round(a, 4) for a in tot.acceptance_by_depth],
                      accepted_hist=tot.accepted_hist, verify_steps=tot.cycles,
-                     mean_tree_size=round(tot.tree_tokens / tot.cycles, 2) if tot.cycles else 0)
+                     mean_tree_size=round(tot.mean_tree_size, 2))
             if tot.calibration:  # EAGLE-2 section 3: draft confidence against measured acceptance
                 d["calibration"] = tot.calibration
                 d["calibration_gap"] = tot.calibration_gap

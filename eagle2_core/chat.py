@@ -171,20 +171,8 @@ class LiveStats:
         if self._first:  # the prefill event: the target's own first token
             self._first = False
             s.target_forwards, s.prefill_s = 1, ev.verify_s
-        else:
-            s.cycles += 1
-            s.target_forwards += 1
-            while len(s.accepted_hist) <= ev.accepted:
-                s.accepted_hist.append(0)
-            s.accepted_hist[ev.accepted] += 1
-            s.tree_tokens += ev.tree_size
-            s.draft_s += ev.draft_s
-            s.verify_s += ev.verify_s
+        else:  # an event carries no tree depth: the live panel shows no acceptance rate, the turn's Summary has it
+            s.record_cycle(ev.accepted, ev.tree_size, 0, ev.draft_s, ev.verify_s)
         s.new_tokens += len(ev.token_ids)
         s.wall_s = time.perf_counter() - self.t0
         return s
-
-    @property
-    def mean_tree_size(self) -> float:
-        s = self.summary
-        return s.tree_tokens / s.cycles if s.cycles else 0.0

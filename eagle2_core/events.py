@@ -109,6 +109,11 @@ class Summary:
         return [reach[d] / reach[d - 1] if reach[d - 1] else 0.0 for d in range(1, len(reach))]
 
     @property
+    def mean_tree_size(self) -> float:
+        """Nodes verified per cycle, root included."""
+        return self.tree_tokens / self.cycles if self.cycles else 0.0
+
+    @property
     def accepted_per_cycle(self) -> float:
         return sum(i * n for i, n in enumerate(self.accepted_hist)) / self.cycles if self.cycles else 0.0
 
@@ -133,7 +138,7 @@ class Summary:
             "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
             "verify_steps": self.cycles, "tau": round(self.tau, 4), "acceptance_by_depth": [round(a, 4) for a in self.acceptance_by_depth],
             "accepted_per_cycle": round(self.accepted_per_cycle, 4), "acceptance_rate": round(self.acceptance_rate, 4), "accepted_hist": self.accepted_hist,
-            "mean_tree_size": round(self.tree_tokens / self.cycles, 2) if self.cycles else 0,
+            "mean_tree_size": round(self.mean_tree_size, 2),
             "draft_s": round(self.draft_s, 4), "verify_s": round(self.verify_s, 4), "prefill_s": round(self.prefill_s, 4),
             "wall_time": round(self.wall_s, 4), "tokens_per_s": round(self.tokens_per_s, 3), "finish_reason": self.finish_reason,
         }
