@@ -23,15 +23,13 @@ differs from the target's carries its own `embed_tokens.weight`.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from .head import HeadMismatchError, HeadSpec, target_dims
+from .head import BaseHead, HeadMismatchError, HeadSpec, target_dims
 from .rowgemm import linear_rows, make_row_linears
 from .target import text_config
 
@@ -116,7 +114,7 @@ class Eagle3Layer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(BaseHead):
     """EAGLE-3 draft head behind the same interface as `DraftHead`: `bind`, `project`, `forward`,
     `draft_logits`, `to_target_ids`, `save`, `feature_layers`."""
 
@@ -206,28 +204,6 @@ class Eagle3Head(nn.Module):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
-
-    # -- checkpoints ----------------------------------------------------------------------
-    def head_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("rotary_emb")}
-
-    def save(self, folder: str, metadata: dict | None = None, dtype: torch.dtype | None = None) -> None:
-        from safetensors.torch import save_file
-
-        from .head import METADATA_FILE
-
-        os.makedirs(folder, exist_ok=True)
-        sd = self.head_state_dict()
-        if dtype is not None:
-            sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
-        cfg = self.spec.to_config_dict()
-        cfg["torch_dtype"] = str(sd["fc.weight"].dtype).replace("torch.", "")
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=2)
-        save_file({k: v.cpu() for k, v in sd.items()}, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-        if metadata is not None:
-            with open(os.path.join(folder, METADATA_FILE), "w") as f:
-                json.dump(metadata, f, indent=2)
 
 
 def check_eagle3_fits(spec: Eagle3Spec, target_model, where: str = "EAGLE-3 head") -> None:

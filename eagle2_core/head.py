@@ -139,7 +139,37 @@ class HeadSpec:
         )
 
 
-class DraftHead(nn.Module):
+class BaseHead(nn.Module):
+    """What every head kind shares: its weights without the recomputed rotary tables, and
+    writing them as a head folder (`config.json`, `model.safetensors`, optional `eagle2.json`)."""
+
+    spec: HeadSpec
+
+    def head_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("rotary_emb")}
+
+    def save(self, folder: str, metadata: dict | None = None, dtype: torch.dtype | None = None) -> None:
+        from safetensors.torch import save_file
+
+        os.makedirs(folder, exist_ok=True)
+        sd = self.head_state_dict()
+        if dtype is not None:  # integer maps (EAGLE-3's d2t, t2d) keep their type
+            sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+        cfg = self.spec.to_config_dict()
+        cfg["torch_dtype"] = str(sd["fc.weight"].dtype).replace("torch.", "")
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+        save_file({k: v.cpu() for k, v in sd.items()}, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        self.save_extra_files(folder)
+        if metadata is not None:
+            with open(os.path.join(folder, METADATA_FILE), "w") as f:
+                json.dump(metadata, f, indent=2)
+
+    def save_extra_files(self, folder: str) -> None:
+        """Files of this kind beyond the published format's own (none by default)."""
+
+
+class DraftHead(BaseHead):
     """EAGLE-1/2 draft head. Call `bind(target_model)` before use to share embeddings and lm_head.
 
     The interface every head kind offers the drafter, decoder and trainer (`eagle3.Eagle3Head`
@@ -220,26 +250,12 @@ class DraftHead(nn.Module):
         return draft_ids if self.draft_vocab is None else self.draft_vocab[draft_ids]
 
     # -- checkpoints ----------------------------------------------------------------------
-    def head_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("rotary_emb")}
-
-    def save(self, folder: str, metadata: dict | None = None, dtype: torch.dtype | None = None) -> None:
-        from safetensors.torch import save_file
-
-        os.makedirs(folder, exist_ok=True)
-        cfg = self.spec.to_config_dict()
-        sd = self.head_state_dict()
-        if dtype is not None:
-            sd = {k: v.to(dtype) for k, v in sd.items()}
-        cfg["torch_dtype"] = str(next(iter(sd.values())).dtype).replace("torch.", "")
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=2)
-        save_file({k: v.cpu() for k, v in sd.items()}, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    def save_extra_files(self, folder: str) -> None:
+        """The pruned draft vocabulary, beside the published format (strict loaders ignore it)."""
         if self.draft_vocab is not None:
+            from safetensors.torch import save_file
+
             save_file({"draft_vocab": self.draft_vocab.cpu().long()}, os.path.join(folder, DRAFT_VOCAB_FILE))
-        if metadata is not None:
-            with open(os.path.join(folder, METADATA_FILE), "w") as f:
-                json.dump(metadata, f, indent=2)
 
 
 def target_dims(target_model) -> tuple[int, int]:
