@@ -73,7 +73,7 @@ def main():
     import transformers
 
     say("transformers", transformers.__version__, transformers.__file__)
-    from eagle2_core.drafter import TreeSettings
+    from eagle2_core.treesettings import TreeSettings
     from eagle2_core.loading import load_target
     from eagle2_core.train.distill import self_distill
     from eagle2_core.train.data import _ids

@@ -23,7 +23,7 @@ def _against(ctx, param, value):
         return ()
     # Imported here, not at module level, so `--help` stays light; parsing rules live in the engine.
     from eagle2_core.bench import BASELINES, parse_tree_spec
-    from eagle2_core.drafter import TreeSettings
+    from eagle2_core.treesettings import TreeSettings
 
     names = tuple(dict.fromkeys(v.strip().lower() for v in value.split(",") if v.strip()))
     bad = [n for n in names if n not in BASELINES and parse_tree_spec(n) is None]

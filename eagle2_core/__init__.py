@@ -1,8 +1,9 @@
 """eagle2_core: lossless EAGLE-2 speculative decoding on stock transformers models (no terminal code)."""
 from .decoder import Eagle2Decoder
-from .drafter import Drafter, TreeSettings
+from .drafter import Drafter
 from .events import GenerationSettings, StepEvent, Summary
 from .head import DraftHead, HeadMismatchError, HeadSpec
+from .treesettings import TreeSettings
 
 __version__ = "0.1.0"
 __all__ = ["Eagle2Decoder", "Drafter", "TreeSettings", "GenerationSettings", "StepEvent", "Summary", "DraftHead", "HeadMismatchError", "HeadSpec", "__version__"]

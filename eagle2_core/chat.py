@@ -8,7 +8,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from .drafter import TreeSettings
+from .treesettings import TreeSettings
 from .events import GenerationSettings, StepEvent, Summary
 
 # /set keys: name -> (target object, field, type). "gen" = GenerationSettings, "tree" = TreeSettings.

@@ -14,11 +14,12 @@ import torch
 
 from .accept import accept_greedy, accept_sampling
 from .budget import BudgetChooser, on_accepted_path
-from .drafter import Drafter, TreeSettings
+from .drafter import Drafter
 from .events import GenerationSettings, StepEvent, StopChecker, Summary, collect
 from .kvcache import TreeKVCache, num_cache_layers
 from .sampling import make_warpers, target_probs
 from .target import TargetRunner
+from .treesettings import TreeSettings
 
 
 class Eagle2Decoder:

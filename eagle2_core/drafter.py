@@ -8,78 +8,12 @@ all nodes at one tree depth share a position.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .kvcache import StaticKVCache, TreeKVCache
 from .tree import (DraftTree, additive, appended_visible, causal_attention_bias, choices_to_levels, chain_choices, rerank, select_expansion,
                    static_causal_bias, static_choices, static_visible, tree_from_parents)
-
-
-@dataclass
-class TreeSettings:
-    """Shape of the draft tree. `depth` is the longest draft path (tokens after the root).
-
-    Defaults are for a float32 target on a CPU; the paper's GPU setting is total_tokens=60,
-    depth=6, top_k=10 (`TreeSettings.gpu()`), which matches the reference code's depth=5
-    expansion steps. On a 2-core CPU every extra row of the verify pass and every draft step
-    costs real time, so small trees win: with head v3 on 8 MT-bench questions (128 tokens, one
-    shared `generate` run, AMD EPYC, rowgemm's few-row products) 4/2/2 gave 1.46x of `generate`
-    (tau 1.68), 4/2/3 1.40x, 4/3/2 1.38x, 5/3/2 1.24x, 3/2/1 and 4/3/1 (chains) 1.21x, and in an
-    earlier run 4/2/2 1.41x, 5/2/2 1.31x, 6/2/3 1.20x, 8/3/3 1.14x, 7/3/2 1.06x.
-    """
-    shape: str = "dynamic"          # dynamic | static | chain
-    total_tokens: int = 4           # tree size including the root (the verify batch)
-    depth: int = 2
-    top_k: int = 2
-    expand_by: str = "path"         # path (EAGLE-2) | node (ablation: the node's own confidence)
-    rerank: bool = True             # False: ablation, keep the expanded nodes breadth-first
-    budget: str = "fixed"           # fixed: total_tokens every cycle; auto: per cycle, up to total_tokens,
-                                    # from the draft's confidence and the measured costs (budget.py)
-
-    @classmethod
-    def gpu(cls) -> "TreeSettings":
-        return cls(total_tokens=60, depth=6, top_k=10)
-
-    @classmethod
-    def cpu_half(cls) -> "TreeSettings":
-        """A half-precision target on a CPU whose measured lm_head costs about the same for 16 rows
-        as for the two-pass plan (AMX tiles, AVX512-BF16): a larger tree pays there."""
-        return cls(total_tokens=10, depth=3, top_k=4)
-
-    @classmethod
-    def for_device(cls, device, dtype: torch.dtype | None = None, costs=None) -> "TreeSettings":
-        """The default fixed-size tree: the GPU's, and on a CPU the one `--total-tokens N`, fixed
-        shapes and `tree:` sweeps start from (a CPU's default is the per-cycle budget,
-        `Runtime.auto_tree`). With a half-precision CPU target it follows the measured cost
-        profile (`costs.CostProfile.rows_are_cheap`): no rule per CPU family."""
-        kind = torch.device(device).type
-        if kind == "cuda":
-            return cls.gpu()
-        if kind != "cpu":
-            return cls.cpu_half()  # mps and other accelerators: extra rows are nearly free
-        if dtype in (torch.bfloat16, torch.float16) and costs is not None and costs.rows_are_cheap(16):
-            return cls.cpu_half()
-        # float32 on any CPU (rowgemm makes rows cheaper, but each still costs), and half
-        # precision where each row of a product costs in full (measured)
-        return cls()
-
-    def label(self) -> str:
-        """`dynamic 4/2/2` (tokens/depth/top-k), or `auto (up to 16, depth 4, top-k 4)` with the per-cycle budget."""
-        if self.budget == "auto" and self.shape == "dynamic":
-            return f"auto (up to {self.total_tokens}, depth {self.depth}, top-k {self.top_k})"
-        return f"{self.shape} {self.total_tokens}/{self.depth}/{self.top_k}"
-
-    def validate(self) -> None:
-        if self.shape not in ("dynamic", "static", "chain"):
-            raise ValueError(f"draft shape must be dynamic, static or chain, not {self.shape!r}")
-        if self.total_tokens < 2 or self.depth < 1 or self.top_k < 1:
-            raise ValueError("total_tokens must be >= 2, depth >= 1 and top_k >= 1")
-        if self.expand_by not in ("path", "node"):
-            raise ValueError(f"expand_by must be path or node, not {self.expand_by!r}")
-        if self.budget not in ("fixed", "auto"):
-            raise ValueError(f"budget must be fixed or auto, not {self.budget!r}")
+from .treesettings import TreeSettings
 
 
 class Drafter:

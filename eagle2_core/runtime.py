@@ -11,17 +11,15 @@ from dataclasses import dataclass, field
 import torch
 
 from .decoder import Eagle2Decoder
-from .drafter import TreeSettings
 from .events import GenerationSettings
 from .head import DraftHead, HeadSpec
 from .loading import LoadedTarget, LoadError, default_head_for, load_draft_head, load_target
 from .prompts import encode_chat
 from .target import context_length
+from .treesettings import TreeSettings, auto_max, device_trees
 from .vanilla import VanillaDecoder
 
 RANDOM_HEAD = "random"
-AUTO_MAX_CPU, AUTO_MAX_GPU = 16, 60  # the largest tree `--total-tokens auto` may choose
-AUTO_DEPTH_CPU = 4  # the deepest expansion there; each cycle stops where deeper levels stop paying (budget.py)
 
 
 def supports_fixed(tree: TreeSettings) -> bool:
@@ -104,24 +102,8 @@ class Runtime:
             # measured once per machine, model, dtype and threads, then cached: the default tree of a
             # half-precision target and greedy acceptance's lm_head plan follow it
             costs = load_or_measure(target.model, head)
-        base = TreeSettings.for_device(out.device, out.dtype, costs)
-        given = {k: v for k, v in tree.items() if v is not None and k != "total_tokens"}
-        auto = dataclasses.replace(base, **{**given, "budget": "auto", "shape": "dynamic",
-                                            "total_tokens": max(base.total_tokens, AUTO_MAX_GPU if out.device.type == "cuda" else AUTO_MAX_CPU)})
-        if costs is not None:
-            # On a CPU the expansion follows the measured profile too, unless given: its width is
-            # the widest draft step that costs about what the cheapest does (costs.draft_width).
-            auto = dataclasses.replace(auto, top_k=tree.get("top_k") or costs.draft_width(), depth=tree.get("depth") or AUTO_DEPTH_CPU)
-        fixed_tree = dataclasses.replace(base, **{k: v for k, v in tree.items() if v is not None and v != "auto"})
-        # The per-cycle budget is the default where a cost profile was measured (a CPU) and the
-        # tree is dynamic; a fixed size stays on request, for captured cycles (fixed shapes) and
-        # on a GPU, where the cycle runs captured on fixed shapes.
-        default_auto = costs is not None and tree.get("total_tokens") is None and fixed_tree.shape == "dynamic" and not compile
-        settings = auto if tree.get("total_tokens") == "auto" or default_auto else fixed_tree
         try:
-            settings.validate()
-            auto.validate()
-            fixed_tree.validate()
+            settings, auto, fixed_tree = device_trees(out.device, out.dtype, costs, tree, compile)
         except ValueError as e:
             raise LoadError(str(e)) from None
         backend, fixed = capture_choice(out.device, settings, compile)
@@ -131,7 +113,7 @@ class Runtime:
     @property
     def auto_max(self) -> int:
         """The largest tree `--total-tokens auto` may choose on this device."""
-        return AUTO_MAX_GPU if self.model.get_output_embeddings().weight.device.type == "cuda" else AUTO_MAX_CPU
+        return auto_max(self.model.get_output_embeddings().weight.device)
 
     @property
     def tokenizer(self):

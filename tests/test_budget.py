@@ -223,7 +223,8 @@ def test_auto_expansion_width_follows_the_measured_draft_step():
 
 
 def test_runtime_auto_tree_takes_its_expansion_from_the_profile_unless_given(tmp_path, monkeypatch, tiny_model_dir, tiny_head_dir):
-    from eagle2_core.runtime import AUTO_DEPTH_CPU, AUTO_MAX_CPU, Runtime
+    from eagle2_core.runtime import Runtime
+    from eagle2_core.treesettings import AUTO_DEPTH_CPU, AUTO_MAX_CPU
 
     monkeypatch.setenv("EAGLE2_CACHE", str(tmp_path))
     rt = Runtime.load(tiny_model_dir, tiny_head_dir, device="cpu", tree={"total_tokens": "auto"})

@@ -138,7 +138,7 @@ def test_sampling_on_fixed_shapes_draws_what_the_default_path_draws(env):
 
 
 def test_fixed_shapes_refuse_what_they_cannot_capture(tiny_lm, fitted_head):
-    from eagle2_core.drafter import TreeSettings
+    from eagle2_core.treesettings import TreeSettings
 
     model = tiny_lm("llama", vocab_size=VOCAB, max_position_embeddings=MAXPOS)
     head = fitted_head(model)

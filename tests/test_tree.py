@@ -287,7 +287,8 @@ def test_drafter_children_are_head_top_ranks(random_head, shape, monkeypatch):
     ranking; static/chain: the ranks the shape names), and for dynamic trees every candidate's
     path score handed to rerank equals the brute-force sum of log-probs along its path."""
     import eagle2_core.drafter as drafter_mod
-    from eagle2_core.drafter import Drafter, TreeSettings
+    from eagle2_core.drafter import Drafter
+    from eagle2_core.treesettings import TreeSettings
 
     pools = []
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..decoder import Eagle2Decoder
-from ..drafter import TreeSettings
+from ..treesettings import TreeSettings
 from ..events import GenerationSettings, Summary
 from ..headfiles import build_head
 from .data import ReadReport, first_user_prompts, read_conversations, render
