@@ -31,7 +31,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from eagle2_core.bench import dataset_items, run_comparison  # noqa: E402
+from eagle2_core.compare import run_comparison  # noqa: E402
+from eagle2_core.datasets import dataset_items  # noqa: E402
 from eagle2_core.events import GenerationSettings  # noqa: E402
 from eagle2_core.runtime import Runtime  # noqa: E402
 

@@ -66,7 +66,7 @@ class ChatApp:
 
     # -- baselines ----------------------------------------------------------------------------
     def calibrate(self, when: str) -> None:
-        from eagle2_core.bench import calibrate_vanilla
+        from eagle2_core.compare import calibrate_vanilla
 
         from .ui import status
 
@@ -97,7 +97,7 @@ class ChatApp:
 
     # -- one turn -----------------------------------------------------------------------------
     def answer(self, text: str) -> None:
-        from eagle2_core.bench import first_difference
+        from eagle2_core.stats import first_difference
         from eagle2_core.chat import IncrementalDetokenizer, LiveStats
         from eagle2_core.events import Summary
 

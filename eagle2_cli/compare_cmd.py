@@ -22,7 +22,7 @@ def _against(ctx, param, value):
     if not value:
         return ()
     # Imported here, not at module level, so `--help` stays light; parsing rules live in the engine.
-    from eagle2_core.bench import BASELINES, parse_tree_spec
+    from eagle2_core.methods import BASELINES, parse_tree_spec
     from eagle2_core.treesettings import TreeSettings
 
     names = tuple(dict.fromkeys(v.strip().lower() for v in value.split(",") if v.strip()))
@@ -80,7 +80,10 @@ def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, 
     tokens over total time, and the mean of per-prompt ratios), tau, acceptance by depth and, at
     temperature 0, how many outputs are identical. Without -f or --dataset, a built-in short set.
     """
-    from eagle2_core.bench import build_methods, builtin_items, dataset_items, plot_comparison, run_comparison, split_by_context
+    from eagle2_core.compare import run_comparison, split_by_context
+    from eagle2_core.datasets import builtin_items, dataset_items
+    from eagle2_core.methods import build_methods
+    from eagle2_core.plot import plot_comparison
     from eagle2_core.prompts import InputError, read_prompt_file
 
     from .ui import compare_table, consoles, error, status, step_times_line, write_json

@@ -10,9 +10,9 @@ import json
 import os
 from typing import Any
 
-from .bench import summary_metrics
 from .events import GenerationSettings, Summary
 from .prompts import InputError, PromptItem, apply_overrides, ident
+from .stats import summary_metrics
 
 ID_KEYS = ("custom_id", "question_id", "id", "task_id")
 

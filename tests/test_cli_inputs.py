@@ -7,11 +7,12 @@ import json
 import pytest
 
 from eagle2_core.batch import prepare_output
-from eagle2_core.bench import Comparison, MethodRun, acceptance_rate, dataset_items, first_difference
 from eagle2_core.chat import IncrementalDetokenizer, LiveStats, apply_setting
-from eagle2_core.treesettings import TreeSettings
+from eagle2_core.datasets import dataset_items
 from eagle2_core.events import GenerationSettings, StepEvent, Summary
 from eagle2_core.prompts import InputError, apply_overrides, encode_chat, ident, load_chat_template, parse_line, read_prompt_file
+from eagle2_core.stats import Comparison, MethodRun, acceptance_rate, first_difference
+from eagle2_core.treesettings import TreeSettings
 
 
 def test_parse_all_formats():

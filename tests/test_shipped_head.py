@@ -10,7 +10,7 @@ import pytest
 @pytest.mark.slow
 def test_shipped_head_is_lossless_and_drafts_well():
     from eagle2_core import Eagle2Decoder, GenerationSettings
-    from eagle2_core.bench import dataset_items
+    from eagle2_core.datasets import dataset_items
     from eagle2_core.loading import load_draft_head, load_target, packaged_head_path
     from eagle2_core.vanilla import VanillaDecoder
 

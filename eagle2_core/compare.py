@@ -1,0 +1,82 @@
+"""Running a comparison: every method on the same prompts in one process after a warm-up, and
+the short reference run the chat's speedup estimate is measured against. No terminal code here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable
+
+from .events import GenerationSettings, Summary
+from .methods import Decoder
+from .prompts import PromptItem, apply_overrides
+from .stats import Comparison, MethodRun
+
+
+def split_by_context(runtime, items: list[PromptItem]) -> tuple[list[PromptItem], list[tuple[PromptItem, int]]]:
+    """(items whose first turn fits the model's context, [(item, prompt tokens)] of those that don't)."""
+    fit, too_long = [], []
+    for it in items:
+        n = len(runtime.encode(it.messages))
+        (fit.append(it) if n < runtime.max_positions else too_long.append((it, n)))
+    return fit, too_long
+
+
+def run_comparison(methods: dict[str, tuple[Decoder, bool]], items: list[PromptItem], encode: Callable[[list[dict]], list[int]],
+                   gen: GenerationSettings, baseline: str | None = "vanilla", warmup_tokens: int = 8,
+                   on_step: Callable[[str, int, PromptItem | None], None] | None = None, settings: dict | None = None) -> Comparison:
+    """Run each method (name -> (decoder, speculative?)) on each item's first turn, after a warm-up.
+
+    Methods alternate per prompt, so slow drifts (thermal, other load) hit them alike.
+    `on_step(phase, index, item)` reports progress: phase "warmup" or "prompt".
+    """
+    encoded = [encode(it.messages) for it in items]
+    runs = {name: MethodRun(name, speculative=spec) for name, (_, spec) in methods.items()}
+    if encoded and warmup_tokens > 0:
+        if on_step:
+            on_step("warmup", 0, None)
+        wg = dataclasses.replace(gen, max_new_tokens=warmup_tokens)
+        for dec, _ in methods.values():
+            dec.generate(encoded[0], wg)
+    for i, (item, ids) in enumerate(zip(items, encoded)):
+        g = apply_overrides(gen, item.overrides)
+        for name, (dec, _) in methods.items():
+            tokens, summary = dec.generate(ids, g)
+            runs[name].outputs.append(tokens)
+            runs[name].summaries.append(summary)
+        if on_step:
+            on_step("prompt", i + 1, item)
+    if encoded and not gen.temperature:
+        for name, (dec, spec) in methods.items():
+            runs[name].ops_per_cycle = ops_per_cycle(dec, encoded[0], gen) if spec else None
+    return Comparison(items, runs, gen, baseline, settings or {})
+
+
+def ops_per_cycle(dec, ids: list[int], gen: GenerationSettings, cycles: int = 4) -> dict | None:
+    """Mean aten ops per steady-state cycle, to draft and to verify, and the host reads among them:
+    what a GPU would launch and wait for, counted on any machine. Not for captured decoders,
+    whose compiled kernels bypass the dispatcher (they run the fixed cycle's ops, fused)."""
+    from .opcount import cycle_ops
+
+    if getattr(dec, "compile", None) or not hasattr(dec, "_cycle"):
+        return None
+    r = cycle_ops(dec, ids, dataclasses.replace(gen, max_new_tokens=max(gen.max_new_tokens, 64)), cycles=cycles)
+    if not r:
+        return None
+    mean = lambda k: round(statistics.fmean(c[k] for c in r), 1)  # noqa: E731
+    return {"draft": mean("draft_ops"), "verify": mean("verify_ops"),
+            "host_reads": round(statistics.fmean(sum(len(v) for v in c["host_reads"].values()) for c in r), 1), "cycles": len(r)}
+
+
+CALIBRATION_MESSAGES = [{"role": "user", "content": "Write a few sentences about the history of the printing press."}]
+
+
+def calibrate_vanilla(vanilla, eagle, encode: Callable[[list[dict]], list[int]], gen: GenerationSettings, tokens: int = 32) -> Summary:
+    """A short vanilla run (after a tiny warm-up of both decoders) for the chat speedup estimate."""
+    ids = encode(CALIBRATION_MESSAGES)
+    warm = dataclasses.replace(gen, max_new_tokens=2)
+    vanilla.generate(ids, warm)
+    if eagle is not None:
+        eagle.generate(ids, warm)
+    _, summary = vanilla.generate(ids, dataclasses.replace(gen, max_new_tokens=max(1, tokens)))
+    return summary
