@@ -4,7 +4,7 @@ For each model (bf16 on the GPU; the head the registry or package picks, else `-
 for overhead figures only), on the first LIMIT MT-bench questions, greedy, MAX_NEW tokens, one
 shared run per model (methods alternate per prompt):
   * `generate` (Hugging Face, dynamic cache) and `generate-compiled` (static cache + torch.compile);
-  * eagle2 `eager` (the default CPU path), `fixed` (fixed shapes and static buffers, uncaptured)
+  * eagle2 `eager` (the default CPU path), `graph` (graph mode: fixed shapes and static buffers, uncaptured)
     and `captured` (the same cycle through torch.compile; CUDA graphs on a GPU);
 tokens/s, speedup over `generate`, tau, identical outputs, ms per cycle by stage, aten ops per
 cycle (uncaptured methods), and on CUDA kernel launches per cycle from the profiler; then
@@ -90,9 +90,9 @@ def check_model(label, model, draft, args, gen, items, report, quant=None):
     methods = {"generate": (rt.vanilla(), False)}
     if not quant:
         methods["generate-compiled"] = (rt.vanilla(compiled=True), False)
-    methods["eager"] = (rt.eagle(compile=False, fixed=False), True)
+    methods["eager"] = (rt.eagle(compile=False, graph=False), True)
     if not quant:
-        methods["fixed"] = (rt.eagle(compile=False, fixed=True), True)
+        methods["graph"] = (rt.eagle(compile=False, graph=True), True)
         methods["captured"] = (rt.eagle(compile=True), True)
     entry = {"model": rt.target.name, "draft": rt.draft_name, "random_head": rt.head_is_random, "dtype": str(next(rt.model.parameters()).dtype),
              "tree": dataclasses.asdict(rt.tree), "load_in_8bit": bool(quant)}
@@ -106,7 +106,7 @@ def check_model(label, model, draft, args, gen, items, report, quant=None):
         entry["methods"][m].pop("per_category", None)
     encoded = [rt.encode(it.messages) for it in items]
     if encoded and torch.cuda.is_available():
-        for m in ("eager", "fixed", "captured"):
+        for m in ("eager", "graph", "captured"):
             if m in methods:
                 entry["methods"][m]["launches"] = launches_per_cycle(methods[m][0], encoded[0], gen)
     if encoded and not quant:

@@ -7,7 +7,7 @@ import sys
 import click
 
 from .options import common_options
-from .ui import error
+from .ui import error, renamed_flag
 
 HELP = """\
 /help              this help
@@ -27,7 +27,7 @@ Examples:
   eagle2 chat
   eagle2 chat --prompt "Hi" --max-new-tokens 32
   eagle2 chat --show-draft --compare -s "You are terse."
-  echo "Tell me a joke" | eagle2 chat --no-calibrate
+  echo "Tell me a joke" | eagle2 chat --no-baseline
   eagle2 chat --model meta-llama/Llama-3.1-8B-Instruct -t 0.7 --top-p 0.9
 """
 
@@ -52,36 +52,36 @@ def history_path() -> str:
 class ChatApp:
     """One chat session over a Runtime; terminal-free logic lives in eagle2_core.chat."""
 
-    def __init__(self, rt, out, err, show_draft: bool = False, compare: bool = False, calibration_tokens: int = 32):
+    def __init__(self, rt, out, err, show_draft: bool = False, compare: bool = False, baseline_tokens: int = 32):
         from eagle2_core.chat import Conversation
 
         self.rt, self.out, self.err = rt, out, err
         self.conv = Conversation(system_prompt=rt.system_prompt)
         rt.system_prompt = None  # the conversation carries it as a message
         self.show_draft, self.compare = show_draft, compare
-        self.calibration_tokens = calibration_tokens
-        self.calib = None          # vanilla Summary from the last calibration
-        self.calib_when = ""
+        self.baseline_tokens = baseline_tokens
+        self.baseline = None       # vanilla Summary from the last baseline run
+        self.baseline_when = ""
         self.vanilla_turns = []    # vanilla Summaries of --compare turns
 
     # -- baselines ----------------------------------------------------------------------------
-    def calibrate(self, when: str) -> None:
-        from eagle2_core.compare import calibrate_vanilla
+    def measure_baseline(self, when: str) -> None:
+        from eagle2_core.compare import measure_baseline
 
         from .ui import status
 
-        n = min(self.calibration_tokens, max(1, self.rt.gen.max_new_tokens))
+        n = min(self.baseline_tokens, max(1, self.rt.gen.max_new_tokens))
         with status(self.err, f"Measuring vanilla speed ({n} tokens)..."):
-            self.calib = calibrate_vanilla(self.rt.vanilla(), self.rt.eagle(), self.rt.encode, self.rt.gen, n)
-        self.calib_when = when
-        self.err.print(f"[dim]vanilla baseline: {self.calib.tokens_per_s:.1f} tokens/s ({self.calib.new_tokens} tokens, {when})[/]")
+            self.baseline = measure_baseline(self.rt.vanilla(), self.rt.eagle(), self.rt.encode, self.rt.gen, n)
+        self.baseline_when = when
+        self.err.print(f"[dim]vanilla baseline: {self.baseline.tokens_per_s:.1f} tokens/s ({self.baseline.new_tokens} tokens, {when})[/]")
 
     def _basis(self, tps: float, vanilla=None) -> tuple[float | None, str]:
         if vanilla is not None:
             return (tps / vanilla.tokens_per_s if vanilla.tokens_per_s > 0 else None,
                     f"vs vanilla generate on this prompt ({vanilla.tokens_per_s:.1f} tok/s)")
-        if self.calib is not None and self.calib.tokens_per_s > 0:
-            return tps / self.calib.tokens_per_s, f"vs vanilla generate calibrated at {self.calib_when} ({self.calib.tokens_per_s:.1f} tok/s, {self.calib.new_tokens} tokens)"
+        if self.baseline is not None and self.baseline.tokens_per_s > 0:
+            return tps / self.baseline.tokens_per_s, f"vs vanilla generate measured at {self.baseline_when} ({self.baseline.tokens_per_s:.1f} tok/s, {self.baseline.new_tokens} tokens)"
         return None, "unknown: no vanilla baseline yet (/bench measures one)"
 
     def _panel(self, summary, tree_size, vanilla=None, extra=None, title=None):
@@ -91,7 +91,7 @@ class ChatApp:
             title = "EAGLE-2, EAGLE-3 head" if getattr(self.rt.head, "kind", "") == "eagle3" else "EAGLE-2"
 
         speedup, basis = self._basis(summary.tokens_per_s, vanilla)
-        if self.compare and vanilla is None and self.calib is None:
+        if self.compare and vanilla is None and self.baseline is None:
             basis = "vs vanilla generate: runs after the answer (--compare)"
         return stats_panel(summary, tree_size, speedup, basis, title=title, extra=extra)
 
@@ -180,7 +180,7 @@ class ChatApp:
         elif cmd == "/stats":
             self.stats()
         elif cmd == "/bench":
-            self.calibrate("/bench")
+            self.measure_baseline("/bench")
         elif cmd == "/save":
             if not arg:
                 error(err, "usage: /save FILE")
@@ -213,8 +213,8 @@ class ChatApp:
         from eagle2_core.chat import settings_view
 
         extra = {"runtime": self.rt.describe()}
-        if self.calib is not None:
-            extra["vanilla_calibration"] = self.calib.to_dict()
+        if self.baseline is not None:
+            extra["vanilla_baseline"] = self.baseline.to_dict()
         with open(path, "w", encoding="utf-8") as f:
             f.write(self.conv.to_json(settings_view(self.rt.gen, self.rt.tree), extra) + "\n")
         self.err.print(f"saved {path}")
@@ -296,26 +296,28 @@ def key_bindings():
               help="Run this turn and exit, without the REPL (repeatable; slash commands allowed).")
 @click.option("--show-draft", is_flag=True, help="Colour the text that came from accepted draft tokens.")
 @click.option("--compare", "compare_each", is_flag=True, help="Run vanilla generate on every turn too, for an exact speedup.")
-@click.option("--no-calibrate", is_flag=True, help="Skip the short vanilla run at start-up (no speedup shown until /bench).")
-@click.option("--calibration-tokens", type=click.IntRange(min=1), default=32, show_default=True, help="Tokens in the vanilla calibration run.")
+@click.option("--no-baseline", is_flag=True, help="Skip the short vanilla baseline run at start-up (no speedup shown until /bench).")
+@click.option("--baseline-tokens", type=click.IntRange(min=1), default=32, show_default=True, help="Tokens in the vanilla baseline run.")
+@click.option("--no-calibrate", is_flag=True, hidden=True, callback=renamed_flag("--no-baseline"))
+@click.option("--calibration-tokens", type=click.IntRange(min=1), default=None, hidden=True, callback=renamed_flag("--baseline-tokens"))
 @click.option("--history", "history_file", type=click.Path(dir_okay=False), default=None,
               help="Input history file [default: ~/.cache/eagle2/chat_history, or under $XDG_CACHE_HOME / $EAGLE2_CACHE].")
 @common_options
-def chat(prompts, show_draft, compare_each, no_calibrate, calibration_tokens, history_file, common):
+def chat(prompts, show_draft, compare_each, no_baseline, baseline_tokens, no_calibrate, calibration_tokens, history_file, common):
     """Chat with a model, EAGLE-2 decoding, with live speed statistics.
 
     Streams each answer as tokens are accepted, under a panel with tau (tokens per target
     forward), tree size, acceptance by depth, tokens/s, and the speedup over vanilla generate
-    (from a short calibration run at start-up, /bench, or --compare on every turn).
+    (from a short vanilla baseline run at start-up, /bench, or --compare on every turn).
     When stdin is not a terminal, each input line is one turn.
     """
     from .ui import consoles
 
     out, err = consoles()
     rt = common.load(err)
-    app = ChatApp(rt, out, err, show_draft=show_draft, compare=compare_each, calibration_tokens=calibration_tokens)
-    if not no_calibrate and not compare_each:
-        app.calibrate("start-up")
+    app = ChatApp(rt, out, err, show_draft=show_draft, compare=compare_each, baseline_tokens=calibration_tokens or baseline_tokens)
+    if not (no_baseline or no_calibrate) and not compare_each:
+        app.measure_baseline("start-up")
     if prompts:
         app.run_lines(prompts)
     elif sys.stdin is not None and sys.stdin.isatty() and sys.stdout.isatty():

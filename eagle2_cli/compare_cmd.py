@@ -12,7 +12,7 @@ Examples:
   eagle2 compare --vanilla --dataset mt-bench --json mt.json --plot mt.png
   eagle2 compare --vanilla --dataset humaneval --limit 20 --against pld,static,chain
   eagle2 compare --vanilla --dataset mt-bench --against tree:6/3/2,tree:12/4/3
-  eagle2 compare --vanilla --dataset mt-bench --against fixed,compiled,generate-compiled
+  eagle2 compare --vanilla --dataset mt-bench --against graph,compiled,generate-compiled
   eagle2 compare --vanilla -f prompts.jsonl --against sps --assistant HuggingFaceTB/SmolLM2-135M-Instruct \\
       --model HuggingFaceTB/SmolLM2-1.7B-Instruct --draft my-head/
 """
@@ -22,10 +22,15 @@ def _against(ctx, param, value):
     if not value:
         return ()
     # Imported here, not at module level, so `--help` stays light; parsing rules live in the engine.
-    from eagle2_core.methods import BASELINES, parse_tree_spec
+    from eagle2_core.methods import BASELINES, RENAMED, parse_tree_spec
     from eagle2_core.treesettings import TreeSettings
 
-    names = tuple(dict.fromkeys(v.strip().lower() for v in value.split(",") if v.strip()))
+    from .ui import old_spelling
+
+    names = [v.strip().lower() for v in value.split(",") if v.strip()]
+    for n in set(names) & set(RENAMED):
+        old_spelling(f"--against {n}", RENAMED[n])
+    names = tuple(dict.fromkeys(RENAMED.get(n, n) for n in names))
     bad = [n for n in names if n not in BASELINES and parse_tree_spec(n) is None]
     if bad:
         raise click.BadParameter(f"unknown baseline {', '.join(bad)}; choose from {', '.join(BASELINES)}, tree:N/D/K or auto:N/D/K")
@@ -47,7 +52,7 @@ def calibration_line(comp) -> str | None:
     gap = run.total.calibration_gap if run.speculative else None
     if gap is None:
         return None
-    n, a, c = run.total.calib_counts.double().sum(1).tolist()
+    n, a, c = run.total.confidence_counts.double().sum(1).tolist()
     verdict = (f"badly calibrated (gap > {BADLY_CALIBRATED}): {'under' if a > c else 'over'}-confident"
                if gap > BADLY_CALIBRATED else f"well calibrated (gap <= {BADLY_CALIBRATED})")
     fix = "; the per-cycle budget corrects by each confidence bin's measured acceptance" if gap > BADLY_CALIBRATED else ""
@@ -66,7 +71,7 @@ def calibration_line(comp) -> str | None:
               help="Extra methods in the same run: pld (prompt lookup), sps (assisted generation, needs --assistant), static, chain, "
                    "tree:N/D/K (the dynamic tree with N tokens, depth D, top-k K; repeatable to sweep tree sizes), "
                    "auto or auto:N/D/K (the tree size chosen every cycle, up to N, from measured costs), "
-                   "fixed and compiled (EAGLE-2 on fixed shapes, uncaptured and captured), "
+                   "graph and compiled (EAGLE-2 in graph mode: fixed shapes, uncaptured and captured), "
                    "generate-compiled (HF generate with a static cache and torch.compile).")
 @click.option("--assistant", default=None, metavar="MODEL", help="Small model for --against sps.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), default=None, help="Write the statistics as JSON ('-' for stdout).")

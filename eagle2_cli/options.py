@@ -121,7 +121,7 @@ def _options(max_new_tokens: int):
         o("--draft-shape", type=click.Choice(["dynamic", "static", "chain"]), default=None,
           help="dynamic: EAGLE-2 [default]; static: EAGLE-1 tree; chain: no tree."),
         o("--compile/--no-compile", default=None,
-          help="Capture each decoding cycle (fixed shapes, torch.compile; CUDA graphs on a GPU). [default: on for CUDA, "
+          help="Capture each decoding cycle (graph mode: fixed shapes, torch.compile; CUDA graphs on a GPU). [default: on for CUDA, "
                "off on CPU, where it was measured not to pay]"),
         o("--system-prompt", "-s", default=None, help="System message for chat-formatted prompts."),
         o("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,

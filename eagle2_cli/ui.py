@@ -159,6 +159,20 @@ def error(console: Console, message: str, suffix: str = "") -> None:
     console.print(f"[red]error:[/] {escape(message)}{suffix}", soft_wrap=True, highlight=False)
 
 
+def old_spelling(old: str, new: str) -> None:
+    """One stderr line for a renamed flag or method name whose old spelling still works."""
+    print(f"note: {old} is now {new}; the old spelling still works for now", file=sys.stderr)
+
+
+def renamed_flag(new: str):
+    """A click callback for a hidden old flag: say that it is renamed, pass its value on."""
+    def callback(ctx, param, value):
+        if value not in (None, False):
+            old_spelling(param.opts[0], new)
+        return value
+    return callback
+
+
 def write_json(data: dict, path: str, err=None) -> None:
     """`--json FILE` for any command: indented JSON to the file, or to stdout for '-'."""
     import json

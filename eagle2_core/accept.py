@@ -36,8 +36,8 @@ def accept_greedy(tree: DraftTree, target_argmax: torch.Tensor) -> tuple[list[in
     return values[:-1], values[-1]
 
 
-def accept_greedy_fixed(tree: DraftTree, target_argmax: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`accept_greedy` with fixed shapes and no host read (the GPU path).
+def accept_greedy_graph(tree: DraftTree, target_argmax: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`accept_greedy` in graph mode: fixed shapes and no host read (the GPU path).
 
     Returns `path` [width] (node index at each depth of the accepted path, root first; entries
     past the path repeat the root and are never used), `accepted` (0-d: draft tokens accepted)
@@ -53,7 +53,7 @@ def accept_greedy_fixed(tree: DraftTree, target_argmax: torch.Tensor, width: int
 
 
 def path_tensor(path: list[int], width: int, device) -> torch.Tensor:
-    """A host-side accepted path as `accept_greedy_fixed` returns it (padded with the root)."""
+    """A host-side accepted path as `accept_greedy_graph` returns it (padded with the root)."""
     return torch.tensor(path + [0] * (width - len(path)), dtype=torch.long, device=device)
 
 

@@ -146,7 +146,7 @@ class BudgetChooser:
         the next l levels (l = 1 .. `remaining`) adds one child per front node whose path
         probability keeps the measured share of its parent's; it pays if some l beats now. So
         a cycle whose first guesses are weak stops after the absorb step and verifies a small
-        tree, where a fixed depth would pay for every level (on a CPU where one extra row costs
+        tree, where a preset depth would pay for every level (on a CPU where one extra row costs
         nearly a whole forward, often just the root).
         """
         cal = lambda lp: calibrate(lp.double().exp().cpu(), self.counts, self.prior_nodes)  # noqa: E731

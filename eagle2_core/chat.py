@@ -59,7 +59,7 @@ def apply_setting(gen: GenerationSettings, tree: TreeSettings, assignment: str, 
         raise ValueError(f"{key} must be >= 0")
     if where == "gen":
         return dataclasses.replace(gen, **{name: value}), tree, key
-    new_tree = dataclasses.replace(tree, **{name: value}, **({"budget": "fixed"} if key == "total_tokens" else {}))
+    new_tree = dataclasses.replace(tree, **{name: value}, **({"budget": "constant"} if key == "total_tokens" else {}))
     new_tree.validate()  # ValueError names the problem
     return gen, new_tree, key
 

@@ -55,7 +55,7 @@ def run_comparison(methods: dict[str, tuple[Decoder, bool]], items: list[PromptI
 def ops_per_cycle(dec, ids: list[int], gen: GenerationSettings, cycles: int = 4) -> dict | None:
     """Mean aten ops per steady-state cycle, to draft and to verify, and the host reads among them:
     what a GPU would launch and wait for, counted on any machine. Not for captured decoders,
-    whose compiled kernels bypass the dispatcher (they run the fixed cycle's ops, fused)."""
+    whose compiled kernels bypass the dispatcher (they run the graph cycle's ops, fused)."""
     from .opcount import cycle_ops
 
     if getattr(dec, "compile", None) or not hasattr(dec, "_cycle"):
@@ -68,12 +68,12 @@ def ops_per_cycle(dec, ids: list[int], gen: GenerationSettings, cycles: int = 4)
             "host_reads": round(statistics.fmean(sum(len(v) for v in c["host_reads"].values()) for c in r), 1), "cycles": len(r)}
 
 
-CALIBRATION_MESSAGES = [{"role": "user", "content": "Write a few sentences about the history of the printing press."}]
+BASELINE_MESSAGES = [{"role": "user", "content": "Write a few sentences about the history of the printing press."}]
 
 
-def calibrate_vanilla(vanilla, eagle, encode: Callable[[list[dict]], list[int]], gen: GenerationSettings, tokens: int = 32) -> Summary:
+def measure_baseline(vanilla, eagle, encode: Callable[[list[dict]], list[int]], gen: GenerationSettings, tokens: int = 32) -> Summary:
     """A short vanilla run (after a tiny warm-up of both decoders) for the chat speedup estimate."""
-    ids = encode(CALIBRATION_MESSAGES)
+    ids = encode(BASELINE_MESSAGES)
     warm = dataclasses.replace(gen, max_new_tokens=2)
     vanilla.generate(ids, warm)
     if eagle is not None:

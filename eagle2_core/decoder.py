@@ -23,11 +23,11 @@ from .treesettings import TreeSettings
 
 
 class Eagle2Decoder:
-    """`fixed=True` runs each cycle with fixed shapes on static buffers (`fixed.py`, the GPU path);
-    `compile` captures those cycle functions (torch.compile; `fixed.py`). The loop is the same."""
+    """`graph=True` runs each cycle in graph mode: fixed shapes on static buffers (`graphcycle.py`, the
+    GPU path); `compile` captures those cycle functions (torch.compile; `graphcycle.py`). The loop is the same."""
 
-    def __init__(self, model, head, tokenizer=None, tree: TreeSettings | None = None, costs=None, calibration: bool = False,
-                 fixed: bool = False, compile: str | None = None):
+    def __init__(self, model, head, tokenizer=None, tree: TreeSettings | None = None, costs=None, record_confidence: bool = False,
+                 graph: bool = False, compile: str | None = None):
         self.runner = TargetRunner(model)
         self.head = head
         self.tokenizer = tokenizer
@@ -37,10 +37,10 @@ class Eagle2Decoder:
 
             costs = load_or_measure(model, head)  # cached per machine, model, dtype and threads
         self.costs = costs
-        self.calibration = calibration  # bin nodes by confidence vs acceptance (compare asks; chat and generate need not)
-        self.fixed = fixed or compile is not None
+        self.record_confidence = record_confidence  # bin nodes by confidence vs acceptance (compare asks; chat and generate need not)
+        self.graph = graph or compile is not None
         self.compile = compile          # None, or a torch.compile backend ("inductor", "cudagraphs", "aot_eager")
-        self._fixed = None              # the FixedCycle (static buffers, captured functions), reused while it fits
+        self._graph = None              # the GraphCycle (static buffers, captured functions), reused while it fits
         # Greedy acceptance's lm_head plan, from this machine's measured costs (once, here, not in a
         # cycle): all tree rows in one product where that costs no more than the two-pass plan (a
         # GPU; rowgemm's float32 products; bf16 with AMX or AVX512-BF16), else internal rows first.
@@ -58,13 +58,13 @@ class Eagle2Decoder:
         return self._one_product
 
     def _cycle(self, cap: int):
-        if not self.fixed:
+        if not self.graph:
             return EagerCycle(self, cap)
-        if self._fixed is None or not self._fixed.fits(cap):
-            from .fixed import FixedCycle
+        if self._graph is None or not self._graph.fits(cap):
+            from .graphcycle import GraphCycle
 
-            self._fixed = FixedCycle(self, cap)
-        return self._fixed
+            self._graph = GraphCycle(self, cap)
+        return self._graph
 
     @torch.no_grad()
     def stream(self, prompt_ids, gen: GenerationSettings | None = None) -> Iterator[StepEvent | Summary]:
@@ -98,8 +98,8 @@ class Eagle2Decoder:
                     accepted, deepest, new_tokens = cycle.verify_greedy(tree)
                 t3 = time.perf_counter()
                 summary.record_cycle(accepted, tree.size, deepest, t2 - t1, t3 - t2)
-                if self.calibration:
-                    summary.record_calibration(tree, cycle.last_path[: accepted + 1])
+                if self.record_confidence:
+                    summary.record_confidence(tree, cycle.last_path[: accepted + 1])
                 if self.chooser is not None and tree.scores is not None:
                     self.chooser.observe(tree.scores[1:].exp(), on_accepted_path(tree, cycle.last_path[: accepted + 1]),
                                          1000 * (t2 - t1), 1000 * (t3 - t2), cycle.drafter.steps)

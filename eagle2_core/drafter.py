@@ -19,17 +19,17 @@ from .treesettings import TreeSettings
 class Drafter:
     """Owns the draft head's KV cache for one generation and builds one tree per cycle."""
 
-    def __init__(self, head, settings: TreeSettings, capacity: int = 1024, chooser=None, fixed: bool = False):
+    def __init__(self, head, settings: TreeSettings, capacity: int = 1024, chooser=None, graph: bool = False):
         settings.validate()
         self.head = head
         self.settings = settings
-        # fixed: the GPU path's static buffers (`draft_fixed`); capacity must then cover the whole
+        # graph: the GPU path's static buffers (`draft_graph`); capacity must then cover the whole
         # generation plus one cycle's tree rows, since a static cache cannot grow.
-        self.fixed = fixed
-        if fixed and (settings.shape != "dynamic" or settings.budget != "fixed"):
-            raise ValueError("fixed shapes need a dynamic tree with a fixed budget")
+        self.graph = graph
+        if graph and (settings.shape != "dynamic" or settings.budget != "constant"):
+            raise ValueError("graph mode needs a dynamic tree with a constant budget")
         dev = head.fc.weight.device
-        self.cache = StaticKVCache(1, capacity, dev) if fixed else TreeKVCache(1, capacity)
+        self.cache = StaticKVCache(1, capacity, dev) if graph else TreeKVCache(1, capacity)
         # With budget="auto", the decoder's budget.BudgetChooser: measured costs and calibration.
         self.chooser = chooser if settings.budget == "auto" and settings.shape == "dynamic" else None
         self.steps = 1  # head steps of the last tree (the absorb, then one per depth), kept for the chooser
@@ -44,11 +44,11 @@ class Drafter:
 
         `visible` [n, m] says which of the m tree rows fed so far each node sees. Eager: `pos` and
         `ctx_len` are ints and the rows are appended to the cache (dropped after the tree).
-        Fixed: they are device scalars; the rows go to the slots after the context, and the mask
+        Graph mode: they are device scalars; the rows go to the slots after the context, and the mask
         covers the whole static cache.
         """
         n = tokens.shape[0]
-        if self.fixed:
+        if self.graph:
             self.cache.slots = ctx_len + torch.arange(visible.shape[1] - n, visible.shape[1], device=tokens.device)  # this depth's rows
             bias = additive(static_visible(visible, ctx_len, self.cache.capacity), hidden.dtype)
             positions = (pos + torch.zeros(1, n, dtype=torch.long, device=tokens.device))
@@ -89,9 +89,9 @@ class Drafter:
         return tree
 
     @torch.no_grad()
-    def draft_fixed(self, new_tokens: torch.Tensor, new_features: torch.Tensor, start_pos: torch.Tensor, n_new: torch.Tensor,
+    def draft_graph(self, new_tokens: torch.Tensor, new_features: torch.Tensor, start_pos: torch.Tensor, n_new: torch.Tensor,
                     root: torch.Tensor) -> DraftTree:
-        """`draft` with fixed shapes and no host reads (the GPU path, issue 16).
+        """`draft` in graph mode: fixed shapes and no host reads (the GPU path, issue 16).
 
         The new pairs come padded to a fixed width (depth + 1 rows, `n_new` of them real) at
         positions start_pos...; the padding rows are written to head-cache slots past the new
@@ -125,7 +125,7 @@ class Drafter:
                 break  # depth chosen per cycle: deeper levels are not expected to pay (budget.py)
             out_h, out_logp = self._step(tokens, front_hidden, pos + d - 1, visible, ctx)
             child_logp, child_ids = torch.topk(out_logp, k, dim=-1)                 # [k, k]
-            if self.chooser is not None:  # (host-side bookkeeping: never on the captured fixed-shape path)
+            if self.chooser is not None:  # (host-side bookkeeping: never on the captured graph-mode path)
                 self.steps += 1
                 self.chooser.note_children(child_logp)
             path = front_scores[:, None] + child_logp                              # path score = product of confidences

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-CALIB_BINS = 10  # path-probability bins of the calibration table (0-0.1, ..., 0.9-1)
+CONFIDENCE_BINS = 10  # path-probability bins of the calibration table (0-0.1, ..., 0.9-1)
 
 
 @dataclass
@@ -45,11 +45,11 @@ class Summary:
     wall_s: float = 0.0
     finish_reason: str = ""
     # Calibration (EAGLE-2 section 3): drafted nodes binned by path probability, and how many of
-    # each bin were on the accepted path: a [3, CALIB_BINS] tensor (nodes, accepted, confidence
+    # each bin were on the accepted path: a [3, CONFIDENCE_BINS] tensor (nodes, accepted, confidence
     # sum; budget.bin_counts) on the tree's device, read only when reported.
-    calib_counts: Any = None        # torch is imported only where used
+    confidence_counts: Any = None        # torch is imported only where used
 
-    def record_calibration(self, tree, path) -> None:
+    def record_confidence(self, tree, path) -> None:
         """Bin this cycle's drafted nodes by path probability; mark those on the accepted path."""
         import torch
 
@@ -57,24 +57,24 @@ class Summary:
 
         if tree.scores is None or tree.size < 2:
             return
-        counts = bin_counts(tree.scores[1:].float().exp(), on_accepted_path(tree, torch.as_tensor(path, device=tree.tokens.device)), CALIB_BINS)
-        self.calib_counts = counts if self.calib_counts is None else self.calib_counts + counts.to(self.calib_counts.device)
+        counts = bin_counts(tree.scores[1:].float().exp(), on_accepted_path(tree, torch.as_tensor(path, device=tree.tokens.device)), CONFIDENCE_BINS)
+        self.confidence_counts = counts if self.confidence_counts is None else self.confidence_counts + counts.to(self.confidence_counts.device)
 
     @property
-    def calibration(self) -> list[dict]:
+    def calibration_table(self) -> list[dict]:
         """Bins with nodes: mean path probability (`confidence`), `nodes`, fraction `accepted`."""
-        if self.calib_counts is None:
+        if self.confidence_counts is None:
             return []
-        n, a, c = self.calib_counts.cpu().tolist()
-        return [{"bin": [i / CALIB_BINS, (i + 1) / CALIB_BINS], "confidence": round(c[i] / n[i], 4), "nodes": int(n[i]),
-                 "accepted": round(a[i] / n[i], 4)} for i in range(CALIB_BINS) if n[i]]
+        n, a, c = self.confidence_counts.cpu().tolist()
+        return [{"bin": [i / CONFIDENCE_BINS, (i + 1) / CONFIDENCE_BINS], "confidence": round(c[i] / n[i], 4), "nodes": int(n[i]),
+                 "accepted": round(a[i] / n[i], 4)} for i in range(CONFIDENCE_BINS) if n[i]]
 
     @property
     def calibration_gap(self) -> float | None:
         """Node-weighted mean |confidence - acceptance| (budget.calibration_gap); None without data."""
         from .budget import calibration_gap
 
-        return None if self.calib_counts is None else round(calibration_gap(self.calib_counts), 4)
+        return None if self.confidence_counts is None else round(calibration_gap(self.confidence_counts), 4)
 
     def record_cycle(self, accepted: int, tree_size: int, deepest: int, draft_s: float, verify_s: float) -> None:
         """One cycle: draft tokens accepted, nodes verified, the tree's deepest draft depth."""
@@ -130,8 +130,8 @@ class Summary:
             while len(self.accepted_hist) <= i:
                 self.accepted_hist.append(0)
             self.accepted_hist[i] += n
-        if other.calib_counts is not None:
-            self.calib_counts = other.calib_counts.clone() if self.calib_counts is None else self.calib_counts + other.calib_counts.to(self.calib_counts.device)
+        if other.confidence_counts is not None:
+            self.confidence_counts = other.confidence_counts.clone() if self.confidence_counts is None else self.confidence_counts + other.confidence_counts.to(self.confidence_counts.device)
 
     def to_dict(self) -> dict:
         return {

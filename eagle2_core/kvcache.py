@@ -108,7 +108,7 @@ class StaticKVLayer(CacheLayerMixin):
     Nothing here reads a device value on the host: the caller sets `slots` (a long tensor, one
     cache slot per input row) before each forward, `update` scatters the new rows there with
     `index_copy_` and returns the whole buffers, and the attention mask (built from a
-    device-side length, `fixed.py`) hides every slot that is not context or an ancestor. The
+    device-side length, `graphcycle.py`) hides every slot that is not context or an ancestor. The
     buffers never move or change shape, so a captured graph can keep reading them.
     """
     is_sliding = False

@@ -7,7 +7,8 @@ import dataclasses
 import re
 
 Decoder = object  # anything with .generate(prompt_ids, GenerationSettings) -> (tokens, Summary)
-BASELINES = ("pld", "sps", "static", "chain", "auto", "fixed", "compiled", "generate-compiled")  # plus tree:N/D/K and auto:N/D/K
+BASELINES = ("pld", "sps", "static", "chain", "auto", "graph", "compiled", "generate-compiled")  # plus tree:N/D/K and auto:N/D/K
+RENAMED = {"fixed": "graph"}  # old method names, still accepted with a notice
 PLD_TOKENS = 10
 
 
@@ -22,14 +23,14 @@ def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=Non
     """name -> (decoder, speculative?) for a comparison: vanilla HF generate, EAGLE-2, and extra baselines:
     pld (HF prompt lookup, 10 tokens), sps (HF assisted generation with `assistant_model`), static/chain
     (our EAGLE-1 tree and chain draft shapes with the same head), tree:N/D/K (the dynamic tree with another
-    budget: total tokens / depth / top-k), so tree sizes can be swept against one shared baseline; fixed and
-    compiled (EAGLE-2 on fixed shapes, uncaptured and captured: fixed.py), generate-compiled (HF generate
+    budget: total tokens / depth / top-k), so tree sizes can be swept against one shared baseline; graph and
+    compiled (EAGLE-2 in graph mode, uncaptured and captured: graphcycle.py), generate-compiled (HF generate
     with a static cache and torch.compile, the strongest plain decoding transformers offers)."""
     methods: dict[str, tuple[Decoder, bool]] = {}
     if vanilla:
         methods["vanilla"] = (runtime.vanilla(), False)
-    methods["eagle2"] = (runtime.eagle(calibration=True), True)
-    fixed_tree = runtime.fixed_tree or runtime.tree
+    methods["eagle2"] = (runtime.eagle(record_confidence=True), True)
+    constant_tree = runtime.constant_tree or runtime.tree
     for name in against:
         if name == "pld":
             methods["pld"] = (runtime.vanilla(prompt_lookup_num_tokens=PLD_TOKENS), False)
@@ -37,21 +38,21 @@ def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=Non
             if assistant_model is None:
                 raise ValueError("sps needs an assistant model")
             methods["sps"] = (runtime.vanilla(assistant_model=assistant_model), False)
-        elif name == "fixed":  # the GPU path's fixed shapes and static buffers, uncaptured
-            methods[name] = (runtime.eagle(fixed_tree, calibration=True, compile=False, fixed=True), True)
+        elif name == "graph":  # the GPU path's graph mode (fixed shapes, static buffers), uncaptured
+            methods[name] = (runtime.eagle(constant_tree, record_confidence=True, compile=False, graph=True), True)
         elif name == "compiled":  # the same, captured (CUDA graphs on a GPU, inductor on a CPU)
-            methods[name] = (runtime.eagle(fixed_tree, calibration=True, compile=True), True)
+            methods[name] = (runtime.eagle(constant_tree, record_confidence=True, compile=True), True)
         elif name == "generate-compiled":  # HF generate with a static cache and torch.compile
             methods[name] = (runtime.vanilla(compiled=True), False)
         elif name in ("static", "chain"):
-            methods[name] = (runtime.eagle(dataclasses.replace(fixed_tree, shape=name), calibration=True), True)
+            methods[name] = (runtime.eagle(dataclasses.replace(constant_tree, shape=name), record_confidence=True), True)
         elif name == "auto":  # the per-cycle budget as `--total-tokens auto` sets it up
-            methods[name] = (runtime.eagle(runtime.auto_tree, calibration=True), True)
+            methods[name] = (runtime.eagle(runtime.auto_tree, record_confidence=True), True)
         elif (spec := parse_tree_spec(name)) is not None:
-            tree = dataclasses.replace(fixed_tree, shape="dynamic", total_tokens=spec[0], depth=spec[1], top_k=spec[2],
-                                       budget="auto" if name.startswith("auto:") else "fixed")
+            tree = dataclasses.replace(constant_tree, shape="dynamic", total_tokens=spec[0], depth=spec[1], top_k=spec[2],
+                                       budget="auto" if name.startswith("auto:") else "constant")
             tree.validate()
-            methods[name] = (runtime.eagle(tree, calibration=True), True)
+            methods[name] = (runtime.eagle(tree, record_confidence=True), True)
         else:
             raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}, tree:N/D/K or auto:N/D/K")
     return methods

@@ -3,7 +3,7 @@
 On a GPU every aten op of a cycle is a kernel launch with host work around it, and every op
 that reads a device value on the host is a synchronisation. A `TorchDispatchMode` sees each op
 on any device, so the counts below, taken on a CPU, say what a GPU would launch and where it
-would wait: tests assert a fixed-shape cycle has the same ops whatever was accepted and no host
+would wait: tests assert a graph-mode cycle has the same ops whatever was accepted and no host
 read outside its one designated point; `compare --json` reports the counts per cycle.
 """
 from __future__ import annotations
@@ -66,7 +66,7 @@ class OpCounter(TorchDispatchMode):
             self.stage = "other"
 
     def exempt(self, fn, *args):
-        """The cycle's one designated host read (`FixedCycle.read_back`)."""
+        """The cycle's one designated host read (`GraphCycle.read_back`)."""
         self.designated = True
         try:
             return fn(*args)

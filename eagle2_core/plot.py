@@ -29,7 +29,7 @@ def plot_comparison(comp: Comparison, path: str, name: str = "eagle2") -> None:
     a2.set_ylabel(f"speedup over {comp.baseline}")
     sp = comp.speedup(name)
     a2.set_title(f"per-prompt speedup (total {sp:.2f}x)" if sp else "per-prompt speedup")
-    calib = run.total.calibration
+    calib = run.total.calibration_table
     a3.plot([0, 1], [0, 1], color="grey", lw=1, ls="--")
     if calib:
         a3.plot([b["confidence"] for b in calib], [b["accepted"] for b in calib], "o-", color="tab:orange")

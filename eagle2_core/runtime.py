@@ -22,20 +22,20 @@ from .vanilla import VanillaDecoder
 RANDOM_HEAD = "random"
 
 
-def supports_fixed(tree: TreeSettings) -> bool:
-    """Fixed shapes (fixed.py) cover the dynamic tree with a fixed budget; other shapes run eagerly."""
-    return tree.shape == "dynamic" and tree.budget == "fixed"
+def supports_graph(tree: TreeSettings) -> bool:
+    """Graph mode (graphcycle.py) covers the dynamic tree with a constant budget; other trees run eagerly."""
+    return tree.shape == "dynamic" and tree.budget == "constant"
 
 
 def capture_choice(device, tree: TreeSettings, compile: bool | None) -> tuple[str | None, bool]:
-    """(torch.compile backend or None, fixed shapes?) for `--compile/--no-compile` (None: the default).
+    """(torch.compile backend or None, graph mode?) for `--compile/--no-compile` (None: the default).
 
     On CUDA the cycle runs on static buffers with one host read and is captured as CUDA graphs
     by default: host overhead is what a small model's cycle is made of there. On a CPU the
     uncaptured default path is kept: inductor's few-row products were measured slower than the
     eager path's rowgemm ones (docs/gpu.md), and a CPU does not wait on host reads."""
     kind = torch.device(device).type
-    if not supports_fixed(tree):
+    if not supports_graph(tree):
         return None, False
     if compile is None:
         compile = kind == "cuda"
@@ -78,11 +78,11 @@ class Runtime:
     chat_template: str | None = None
     draft_name: str = ""
     costs: object = field(default=None, repr=False)  # the measured CostProfile, loaded on first need
-    compile: str | None = None  # torch.compile backend of the fixed-shape cycle (fixed.py), None = uncaptured
-    fixed: bool = False         # fixed shapes on static buffers (on with compile, and on CUDA by default)
+    compile: str | None = None  # torch.compile backend of the graph-mode cycle (graphcycle.py), None = uncaptured
+    graph: bool = False         # graph mode: fixed shapes on static buffers (on with compile, and on CUDA by default)
     _decoders: dict = field(default_factory=dict, repr=False)  # one per setting: a captured cycle is compiled once
     auto_tree: TreeSettings | None = None  # the per-cycle budget's settings (`--total-tokens auto`, `compare --against auto`)
-    fixed_tree: TreeSettings | None = None  # the tree of a fixed size (`--total-tokens N`; fixed shapes, tree:N/D/K sweeps)
+    constant_tree: TreeSettings | None = None  # the tree with a constant budget (`--total-tokens N`; graph mode, tree:N/D/K sweeps)
 
     @classmethod
     def load(cls, model: str | None = None, draft: str | None = None, *, dtype: str = "auto", device: str = "auto",
@@ -103,12 +103,12 @@ class Runtime:
             # half-precision target and greedy acceptance's lm_head plan follow it
             costs = load_or_measure(target.model, head)
         try:
-            settings, auto, fixed_tree = device_trees(out.device, out.dtype, costs, tree, compile)
+            settings, auto, constant_tree = device_trees(out.device, out.dtype, costs, tree, compile)
         except ValueError as e:
             raise LoadError(str(e)) from None
-        backend, fixed = capture_choice(out.device, settings, compile)
+        backend, graph = capture_choice(out.device, settings, compile)
         return cls(target, head, settings, gen or GenerationSettings(), system_prompt, chat_template,
-                   draft_name=draft or default_head_for(target.name) or "", costs=costs, compile=backend, fixed=fixed, auto_tree=auto, fixed_tree=fixed_tree)
+                   draft_name=draft or default_head_for(target.name) or "", costs=costs, compile=backend, graph=graph, auto_tree=auto, constant_tree=constant_tree)
 
     @property
     def auto_max(self) -> int:
@@ -145,22 +145,22 @@ class Runtime:
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
-    def eagle(self, tree: TreeSettings | None = None, calibration: bool = False, compile: bool | None = None,
-              fixed: bool | None = None) -> Eagle2Decoder:
-        """A decoder with this runtime's settings; `tree`, `compile` and `fixed` override them."""
+    def eagle(self, tree: TreeSettings | None = None, record_confidence: bool = False, compile: bool | None = None,
+              graph: bool | None = None) -> Eagle2Decoder:
+        """A decoder with this runtime's settings; `tree`, `compile` and `graph` override them."""
         if self.head is None:
             raise LoadError("no draft head loaded")
         tree = tree or self.tree
         if compile is None:
-            backend = self.compile if supports_fixed(tree) else None
+            backend = self.compile if supports_graph(tree) else None
         else:
             backend = capture_choice(self.model.get_output_embeddings().weight.device, tree, compile)[0]
-        fixed = bool(backend) or (self.fixed if fixed is None else fixed) and supports_fixed(tree)
-        key = (dataclasses.astuple(tree), calibration, fixed, backend, id(self.head))
+        graph = bool(backend) or (self.graph if graph is None else graph) and supports_graph(tree)
+        key = (dataclasses.astuple(tree), record_confidence, graph, backend, id(self.head))
         if key not in self._decoders:
             self._decoders[key] = Eagle2Decoder(self.model, self.head, self.tokenizer, tree,
                                                 self.cost_profile() if tree.budget == "auto" else self.costs,
-                                                calibration=calibration, fixed=fixed, compile=backend)
+                                                record_confidence=record_confidence, graph=graph, compile=backend)
         return self._decoders[key]
 
     def cost_profile(self, remeasure: bool = False):

@@ -157,8 +157,8 @@ class Comparison:
             d.update(tau=round(tot.tau, 4), acceptance_by_depth=[round(a, 4) for a in tot.acceptance_by_depth],
                      accepted_hist=tot.accepted_hist, verify_steps=tot.cycles,
                      mean_tree_size=round(tot.mean_tree_size, 2))
-            if tot.calibration:  # EAGLE-2 section 3: draft confidence against measured acceptance
-                d["calibration"] = tot.calibration
+            if tot.calibration_table:  # EAGLE-2 section 3: draft confidence against measured acceptance
+                d["calibration"] = tot.calibration_table
                 d["calibration_gap"] = tot.calibration_gap
             if run.ops_per_cycle:
                 d["ops_per_cycle"] = run.ops_per_cycle
@@ -189,7 +189,7 @@ class Comparison:
         cats = self.per_category(main)
         if cats:
             out["per_category"] = cats
-        calib = self.runs[main].total.calibration if self.runs[main].speculative else []
+        calib = self.runs[main].total.calibration_table if self.runs[main].speculative else []
         if calib:
             out["calibration"] = calib
             out["calibration_gap"] = self.runs[main].total.calibration_gap

@@ -78,7 +78,7 @@ class TargetRunner:
             return self.run_body(tokens, positions, mask, cache, seen, layers)
 
     def run_body(self, tokens, positions, mask, cache, seen: dict, layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The body's forward alone, with `seen` filled by hooks the caller installed (the fixed
+        """The body's forward alone, with `seen` filled by hooks the caller installed (the graph
         cycle installs them once per generation, so a captured graph does not register hooks)."""
         out = self.body(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask, cache=cache, use_cache=True)
         hidden = out.last_hidden_state[0]

@@ -192,7 +192,7 @@ def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return bias[None, None] if allowed.dim() == 2 else bias[:, None]
 
 
-# -- the same masks over a static cache (fixed shapes, issue 16) ------------------------------
+# -- the same masks over a static cache (graph mode, issue 16) --------------------------------
 # A static cache has `capacity` slots whatever the length, and the length lives on the device,
 # so these masks always have capacity columns and take the length as a tensor. Context slot c
 # holds position c; the tree's rows sit in the slots right after the context.

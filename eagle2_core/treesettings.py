@@ -2,8 +2,8 @@
 
 `TreeSettings` is what a decoder is asked to draft; `device_trees` is the default policy that
 `Runtime.load` applies: the per-cycle budget (`budget="auto"`, budget.py) where a cost profile
-was measured (a CPU) and the tree is dynamic and uncaptured, a tree of a set size elsewhere
-(a GPU, captured cycles) or on request. Pure: no model is touched here.
+was measured (a CPU) and the tree is dynamic and uncaptured, a constant budget elsewhere (a GPU,
+captured cycles) or on request. Pure: no model is touched here.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class TreeSettings:
     top_k: int = 2
     expand_by: str = "path"         # path (EAGLE-2) | node (ablation: the node's own confidence)
     rerank: bool = True             # False: ablation, keep the expanded nodes breadth-first
-    budget: str = "fixed"           # fixed: total_tokens every cycle; auto: per cycle, up to total_tokens,
+    budget: str = "constant"        # constant: total_tokens every cycle; auto: per cycle, up to total_tokens,
                                     # from the draft's confidence and the measured costs (budget.py)
 
     @classmethod
@@ -46,8 +46,8 @@ class TreeSettings:
 
     @classmethod
     def for_device(cls, device, dtype: torch.dtype | None = None, costs=None) -> "TreeSettings":
-        """The default fixed-size tree: the GPU's, and on a CPU the one `--total-tokens N`, fixed
-        shapes and `tree:` sweeps start from (a CPU's default is the per-cycle budget,
+        """The default tree with a constant budget: the GPU's, and on a CPU the one `--total-tokens N`,
+        graph mode and `tree:` sweeps start from (a CPU's default is the per-cycle budget,
         `Runtime.auto_tree`). With a half-precision CPU target it follows the measured cost
         profile (`costs.CostProfile.rows_are_cheap`): no rule per CPU family."""
         kind = torch.device(device).type
@@ -74,8 +74,8 @@ class TreeSettings:
             raise ValueError("total_tokens must be >= 2, depth >= 1 and top_k >= 1")
         if self.expand_by not in ("path", "node"):
             raise ValueError(f"expand_by must be path or node, not {self.expand_by!r}")
-        if self.budget not in ("fixed", "auto"):
-            raise ValueError(f"budget must be fixed or auto, not {self.budget!r}")
+        if self.budget not in ("constant", "auto"):
+            raise ValueError(f"budget must be constant or auto, not {self.budget!r}")
 
 
 def auto_max(device) -> int:
@@ -84,7 +84,7 @@ def auto_max(device) -> int:
 
 
 def device_trees(device, dtype, costs, tree: dict, compile: bool | None = None) -> tuple[TreeSettings, TreeSettings, TreeSettings]:
-    """(the tree to run, the per-cycle budget's settings, the tree of a set size) for a target on
+    """(the tree to run, the per-cycle budget's settings, the constant-budget tree) for a target on
     `device` in `dtype`, given the measured `costs` (None off a CPU) and the user's `tree` fields
     (None: not given; `total_tokens` may be "auto"). Raises ValueError for settings out of range."""
     base = TreeSettings.for_device(device, dtype, costs)
@@ -95,13 +95,13 @@ def device_trees(device, dtype, costs, tree: dict, compile: bool | None = None) 
         # On a CPU the expansion follows the measured profile too, unless given: its width is
         # the widest draft step that costs about what the cheapest does (costs.draft_width).
         auto = dataclasses.replace(auto, top_k=tree.get("top_k") or costs.draft_width(), depth=tree.get("depth") or AUTO_DEPTH_CPU)
-    fixed_tree = dataclasses.replace(base, **{k: v for k, v in tree.items() if v is not None and v != "auto"})
+    constant_tree = dataclasses.replace(base, **{k: v for k, v in tree.items() if v is not None and v != "auto"})
     # The per-cycle budget is the default where a cost profile was measured (a CPU) and the
-    # tree is dynamic; a fixed size stays on request, for captured cycles (fixed shapes) and
-    # on a GPU, where the cycle runs captured on fixed shapes.
-    default_auto = costs is not None and tree.get("total_tokens") is None and fixed_tree.shape == "dynamic" and not compile
-    settings = auto if tree.get("total_tokens") == "auto" or default_auto else fixed_tree
+    # tree is dynamic; a constant budget stays on request, for captured cycles (graph mode) and
+    # on a GPU, where the cycle runs captured in graph mode.
+    default_auto = costs is not None and tree.get("total_tokens") is None and constant_tree.shape == "dynamic" and not compile
+    settings = auto if tree.get("total_tokens") == "auto" or default_auto else constant_tree
     settings.validate()
     auto.validate()
-    fixed_tree.validate()
-    return settings, auto, fixed_tree
+    constant_tree.validate()
+    return settings, auto, constant_tree

@@ -202,13 +202,13 @@ def test_cli_tune_and_compare_against_auto(tmp_path, monkeypatch, tiny_model_dir
     assert data["settings"]["cost_profile"]["verify_ms"] == prof["verify_ms"]  # the cached profile, not a new one
     assert data["auto"]["identical"] == 2 and data["auto:8/3/3"]["identical"] == 2
     assert data["auto:8/3/3"]["mean_tree_size"] <= 8 and "calibration" in data["eagle2"]
-    assert data["settings"]["tree"]["budget"] == "fixed" and data["settings"]["tree"]["total_tokens"] == 4
+    assert data["settings"]["tree"]["budget"] == "constant" and data["settings"]["tree"]["total_tokens"] == 4
     # Without --total-tokens the CPU default is the per-cycle budget, its expansion from the profile
     r = CliRunner().invoke(cli, ["compare", "--limit", "1", "-n", "4", "--model", tiny_model_dir, "--draft", tiny_head_dir, "--json", str(out)])
     assert r.exit_code == 0, r.stderr
     tree = json.load(open(out))["settings"]["tree"]
     assert tree["budget"] == "auto" and tree["top_k"] == CostProfile.from_json(prof).draft_width() and "tree auto (up to" in r.stdout
-    r = CliRunner().invoke(cli, ["chat", "--prompt", "Hi", "-n", "4", "--no-calibrate", "--model", tiny_model_dir,
+    r = CliRunner().invoke(cli, ["chat", "--prompt", "Hi", "-n", "4", "--no-baseline", "--model", tiny_model_dir,
                                  "--draft", tiny_head_dir, "--total-tokens", "auto"])
     assert r.exit_code == 0, r.stderr
     r = CliRunner().invoke(cli, ["chat", "--prompt", "Hi", "--total-tokens", "many"])
@@ -231,5 +231,5 @@ def test_runtime_auto_tree_takes_its_expansion_from_the_profile_unless_given(tmp
     assert rt.tree == rt.auto_tree and rt.tree.budget == "auto" and rt.tree.total_tokens == AUTO_MAX_CPU
     assert rt.tree.top_k == rt.costs.draft_width() and rt.tree.depth == AUTO_DEPTH_CPU
     rt = Runtime.load(tiny_model_dir, tiny_head_dir, device="cpu", tree={"total_tokens": 5, "depth": 3, "top_k": 7})
-    assert rt.tree.budget == "fixed" and rt.tree.total_tokens == 5
+    assert rt.tree.budget == "constant" and rt.tree.total_tokens == 5
     assert (rt.auto_tree.depth, rt.auto_tree.top_k, rt.auto_tree.budget) == (3, 7, "auto")  # what the user gave stands

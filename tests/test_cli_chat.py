@@ -23,15 +23,15 @@ def model_args(tiny_model_dir, tiny_head_dir, n=4):
 def test_chat_reads_stdin_lines(tmp_path, tiny_model_dir, tiny_head_dir):
     save = tmp_path / "conv.json"
     stdin = f"Hello\n/set temperature=0.5 depth=3 nope=1\n\nTell me more\n/stats\n/save {save}\n/exit\nnever sent\n"
-    r = CliRunner().invoke(cli, ["chat", "--calibration-tokens", "2", "-s", "Be brief."] + model_args(tiny_model_dir, tiny_head_dir), input=stdin)
+    r = CliRunner().invoke(cli, ["chat", "--baseline-tokens", "2", "-s", "Be brief."] + model_args(tiny_model_dir, tiny_head_dir), input=stdin)
     assert r.exit_code == 0, r.output + r.stderr
-    assert "vanilla baseline:" in r.stderr and "tau" in r.stderr and "calibrated at start-up" in r.stderr
+    assert "vanilla baseline:" in r.stderr and "tau" in r.stderr and "measured at start-up" in r.stderr
     assert "temperature = 0.5" in r.stderr and "error: unknown setting 'nope'" in r.stderr
     d = json.loads(save.read_text())
     assert [m["role"] for m in d["messages"]] == ["user", "assistant", "user", "assistant"]
     assert d["messages"][2]["content"] == "Tell me more" and d["system_prompt"] == "Be brief."
     assert d["settings"]["temperature"] == 0.5 and d["settings"]["depth"] == 3
-    assert len(d["turns"]) == 2 and "vanilla_calibration" in d
+    assert len(d["turns"]) == 2 and "vanilla_baseline" in d
 
 
 def test_chat_prompt_option_with_compare(tiny_model_dir, tiny_head_dir):

@@ -88,16 +88,16 @@ def test_compare_sweeps_tree_sizes_against_one_baseline(tmp_path, tiny_model_dir
     assert len(d["tree:3/2/1"]["acceptance_by_depth"]) <= 2 and "tree:12/4/3" in r.stdout
 
 
-def test_compare_fixed_shapes_and_compiled_generate(tmp_path, tiny_model_dir, tiny_head_dir):
-    """The GPU path's fixed shapes and transformers' static-cache + torch.compile generate, in the
+def test_compare_graph_mode_and_compiled_generate(tmp_path, tiny_model_dir, tiny_head_dir):
+    """The GPU path's graph mode and transformers' static-cache + torch.compile generate, in the
     same run: identical outputs, and aten ops per cycle (with host reads) for each EAGLE method."""
     out = tmp_path / "c.json"
     r = CliRunner().invoke(cli, ["compare", "--vanilla", "--dataset", "mt-bench", "--limit", "2", "--against",
-                                 "fixed,generate-compiled", "--json", str(out), "--warmup-tokens", "2"]
+                                 "graph,generate-compiled", "--json", str(out), "--warmup-tokens", "2"]
                            + model_args(tiny_model_dir, tiny_head_dir))
     assert r.exit_code == 0, r.output + r.stderr
     d = json.loads(out.read_text())
-    assert d["fixed"]["identical"] == 2 and d["generate-compiled"]["identical"] == 2
-    e, f = d["eagle2"]["ops_per_cycle"], d["fixed"]["ops_per_cycle"]
+    assert d["graph"]["identical"] == 2 and d["generate-compiled"]["identical"] == 2
+    e, f = d["eagle2"]["ops_per_cycle"], d["graph"]["ops_per_cycle"]
     assert f["host_reads"] == 0 < e["host_reads"] and f["draft"] > 0 and f["verify"] > 0
     assert "ops_per_cycle" not in d["vanilla"] and "tau" not in d["generate-compiled"]

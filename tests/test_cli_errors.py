@@ -24,7 +24,7 @@ def one_line(r, code: int = 2) -> str:
 
 
 def chat(*args):
-    return CliRunner().invoke(cli, ["chat", "--prompt", "x", "-n", "2", "--no-calibrate", *args])
+    return CliRunner().invoke(cli, ["chat", "--prompt", "x", "-n", "2", "--no-baseline", *args])
 
 
 @pytest.fixture()

@@ -117,7 +117,7 @@ def test_apply_setting():
 
     assert settings_view(gen, tree)["total_tokens"] == "auto (up to 16)"
     gen, tree, _ = apply_setting(gen, tree, "total_tokens=6")
-    assert tree.budget == "fixed" and tree.total_tokens == 6
+    assert tree.budget == "constant" and tree.total_tokens == 6
     for bad in ("temperature", "nope=1", "depth=x", "draft_shape=round", "top_p=2", "temperature=-1", "total_tokens=1"):
         with pytest.raises(ValueError):
             apply_setting(gen, tree, bad)

@@ -79,12 +79,12 @@ def test_load_errors_are_one_line(tmp_path, tiny_model_dir, tiny_head_dir):
 def test_random_head_and_folder_default_head(tmp_path, tiny_model_dir, tiny_head_dir):
     import shutil
 
-    r = CliRunner().invoke(cli, ["chat", "--prompt", "Hi", "--model", tiny_model_dir, "--draft", "random", "-n", "2", "--no-calibrate"])
+    r = CliRunner().invoke(cli, ["chat", "--prompt", "Hi", "--model", tiny_model_dir, "--draft", "random", "-n", "2", "--no-baseline"])
     assert r.exit_code == 0 and "untrained draft head" in r.stderr
     model = tmp_path / "with_head"  # a model folder carrying its own eagle2-head/ needs no --draft
     shutil.copytree(tiny_model_dir, model)
     shutil.copytree(tiny_head_dir, model / "eagle2-head")
-    r = CliRunner().invoke(cli, ["chat", "--prompt", "Hi", "--model", str(model), "-n", "2", "--no-calibrate"])
+    r = CliRunner().invoke(cli, ["chat", "--prompt", "Hi", "--model", str(model), "-n", "2", "--no-baseline"])
     assert r.exit_code == 0, r.stderr
 
 
@@ -93,6 +93,17 @@ def test_usage_errors():
     assert r.exit_code == 2 and "exclude each other" in r.stderr
     r = CliRunner().invoke(cli, ["chat", "--draft-shape", "round"])
     assert r.exit_code == 2
+
+
+def test_renamed_spellings_still_work(tiny_model_dir):
+    """Old spellings of a renamed flag or method name say so in one line and keep working."""
+    r = CliRunner().invoke(cli, ["compare", "--against", "fixed,bogus"])
+    assert r.exit_code == 2 and "--against fixed is now graph" in r.stderr and "unknown baseline bogus;" in r.stderr
+    r = CliRunner().invoke(cli, ["chat", "--prompt", "Hi", "--model", tiny_model_dir, "--draft", "random", "-n", "2",
+                                 "--no-calibrate", "--calibration-tokens", "3"])
+    assert r.exit_code == 0, r.stderr
+    assert "--no-calibrate is now --no-baseline" in r.stderr and "--calibration-tokens is now --baseline-tokens" in r.stderr
+    assert "vanilla baseline:" not in r.stderr  # the old flag still skips the baseline run
 
 
 def test_optional_command_registration(monkeypatch):

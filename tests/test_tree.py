@@ -367,14 +367,14 @@ def test_calibration_table_from_recorded_cycles():
 
     s = Summary()
     # cycle 1: nodes 0.95 (accepted), 0.55 (accepted, child of the first), 0.05 (a rejected sibling)
-    s.record_calibration(tree([0.95, 0.55, 0.05]), torch.tensor([0, 1, 2]))
+    s.record_confidence(tree([0.95, 0.55, 0.05]), torch.tensor([0, 1, 2]))
     # cycle 2: nodes 0.92 (rejected), 0.52 (rejected), 0.08 (accepted)
-    s.record_calibration(tree([0.92, 0.52, 0.08]), torch.tensor([0, 3]))
+    s.record_confidence(tree([0.92, 0.52, 0.08]), torch.tensor([0, 3]))
     other = Summary()
     other.merge(s)  # merging carries the bins
-    table = {tuple(b["bin"]): b for b in other.calibration}
+    table = {tuple(b["bin"]): b for b in other.calibration_table}
     assert set(table) == {(0.0, 0.1), (0.5, 0.6), (0.9, 1.0)}
     assert table[(0.9, 1.0)]["nodes"] == 2 and table[(0.9, 1.0)]["accepted"] == 0.5
     assert table[(0.9, 1.0)]["confidence"] == pytest.approx(0.935, abs=1e-4)
     assert table[(0.5, 0.6)]["accepted"] == 0.5 and table[(0.0, 0.1)]["accepted"] == 0.5
-    assert Summary().calibration == []
+    assert Summary().calibration_table == []

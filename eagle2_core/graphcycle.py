@@ -1,4 +1,4 @@
-"""The decoding cycle with fixed shapes on static buffers, and its capture (the GPU path).
+"""The decoding cycle in graph mode (fixed shapes on static buffers), and its capture (the GPU path).
 
 At batch size 1 a GPU spends a small model's cycle mostly on the host: launching each of a few
 thousand kernels and waiting for values the Python loop reads back. The systems that are fast
@@ -26,7 +26,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from .accept import accept_greedy_fixed, accept_sampling, path_tensor
+from .accept import accept_greedy_graph, accept_sampling, path_tensor
 from .drafter import Drafter
 from .kvcache import StaticKVCache, num_cache_layers
 from .rowgemm import row_linears
@@ -45,7 +45,7 @@ def _compile(fn, backend: str):
     return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
 
 
-class FixedCycle:
+class GraphCycle:
     """Static buffers for one decoder, reused by every generation that fits their capacity."""
 
     def __init__(self, dec, cap: int):
@@ -54,7 +54,7 @@ class FixedCycle:
         self.width = self.settings.depth + 1
         self.capacity = max(MIN_CAPACITY, 1 << (cap - 1).bit_length())
         self.cache = StaticKVCache(num_cache_layers(run.model.config), self.capacity, run.device)
-        self.drafter = Drafter(dec.head, self.settings, self.capacity, fixed=True)
+        self.drafter = Drafter(dec.head, self.settings, self.capacity, graph=True)
         self.layers = dec.head.feature_layers
         self.seen: dict = {}  # EAGLE-3: inputs of the fused layers, filled by hooks during our forwards
         self.backend = dec.compile
@@ -77,7 +77,7 @@ class FixedCycle:
 
     # -- the two captured functions: plain tensors in, plain tensors out --------------------
     def draft_fn(self, new_tokens, new_features, start_pos, n_new, root):
-        t = self.drafter.draft_fixed(new_tokens, new_features, start_pos, n_new, root)
+        t = self.drafter.draft_graph(new_tokens, new_features, start_pos, n_new, root)
         return t.tokens, t.parents, t.depth, t.ancestors, t.scores
 
     def _forward(self, tree: DraftTree, seq_len):
@@ -103,7 +103,7 @@ class FixedCycle:
         tree = DraftTree(tokens, parents, depth, ancestors)
         hidden, features = self._forward(tree, seq_len)
         argmax = self.run.logits(hidden).argmax(-1)  # all rows: on a GPU more rows are nearly free
-        path, accepted, bonus = accept_greedy_fixed(tree, argmax, self.width)
+        path, accepted, bonus = accept_greedy_graph(tree, argmax, self.width)
         return (path, bonus) + self.commit_fn(tree, features, seq_len, path, accepted, bonus)
 
     # -- what the decoder's loop calls -----------------------------------------------------
