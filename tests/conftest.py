@@ -159,6 +159,27 @@ def tiny_eagle3_head(model, draft_ids: list[int] | None = None, seed: int = 1):
     return head.bind(model)
 
 
+def model_digest(model) -> str:
+    """A hash of what a fit depends on: the model's class, full config and every tensor of its
+    state (int8 weights and their scales included), so equal digests mean equal fits."""
+    import hashlib
+
+    h = hashlib.sha1(type(model).__name__.encode())
+    h.update(model.config.to_json_string(use_diff=False).encode())
+    for name, t in model.state_dict().items():
+        if isinstance(t, torch.Tensor):
+            t = t.detach().cpu().contiguous()
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.flatten().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+# (model digest, fit arguments) -> (head state, global RNG state right after the fit). The same
+# tiny models are built by several files (test_decoder_identity, test_fixed_cycle, test_budget,
+# test_eagle3, ...), and each fit is a deterministic function of the model and the arguments.
+_FITS: dict = {}
+
+
 def distill_tiny_head(model, steps: int = 150, seed: int = 1, n_seq: int = 48, seq_len: int = 32, lr: float = 3e-3,
                       arch: str = "eagle2", draft_ids: list[int] | None = None):
     """A draft head (EAGLE-1/2, or EAGLE-3 with `arch="eagle3"`) fitted for a few seconds to
@@ -167,7 +188,27 @@ def distill_tiny_head(model, steps: int = 150, seed: int = 1, n_seq: int = 48, s
     A random head rarely drafts more than one matching token; a fitted one gets accepted paths
     of every depth, so the tests exercise multi-token acceptance and KV compaction. Features
     come from `output_hidden_states` here, independently of the engine's layer hooks.
+
+    Memoised per session: a second call for an equal model (same digest) and equal arguments
+    returns a new head, bound to the model it is given, holding a copy of the first fit's
+    weights, and leaves torch's global RNG where the fit would have left it. Every caller gets
+    its own head object, so a test may change its head without touching another test's.
     """
+    key = (model_digest(model), steps, seed, n_seq, seq_len, lr, arch, tuple(draft_ids) if draft_ids else None)
+    if key in _FITS:
+        state, rng = _FITS[key]
+        from eagle2_core.head import DraftHead, HeadSpec
+
+        head = tiny_eagle3_head(model, draft_ids, seed) if arch == "eagle3" else DraftHead(HeadSpec.for_target(model.config)).bind(model)
+        head.load_state_dict(state)
+        torch.set_rng_state(rng)
+        return head.eval().requires_grad_(False)
+    head = _fit_tiny_head(model, steps, seed, n_seq, seq_len, lr, arch, draft_ids)
+    _FITS[key] = ({k: v.detach().clone() for k, v in head.state_dict().items()}, torch.get_rng_state())
+    return head
+
+
+def _fit_tiny_head(model, steps, seed, n_seq, seq_len, lr, arch, draft_ids):
     from eagle2_core.head import DraftHead, HeadSpec
     from eagle2_core.tree import causal_attention_bias
 

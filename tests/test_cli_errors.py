@@ -95,8 +95,13 @@ def test_truncated_gguf(tmp_path, monkeypatch):
 
 def test_unknown_hub_model_offline_is_one_line(monkeypatch):
     # Offline mode makes the hub answer at once; without it the same line comes after the hub
-    # client's retries, whose log lines are silenced.
+    # client's retries, whose log lines are silenced. huggingface_hub reads HF_HUB_OFFLINE once,
+    # when it is first imported (earlier in this session), so its constant is set as well: with
+    # the variable alone the client went on retrying, about 45 s without a network.
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     line = one_line(chat("--model", "nobody-xyz/no-such-model", "--draft", "random"))
     assert "nobody-xyz/no-such-model" in line
 
