@@ -109,44 +109,84 @@ def test_eagle2_work_folder_cannot_feed_an_eagle3_head(tiny8_target, tmp_path):
         load_features(str(tmp_path / "feat"), ("fused", "input_ids"))
 
 
+# The least training that still shows the loss falling by more than the 0.5 asserted below: 32
+# training conversations, 2 epochs at lr 6e-3 went 7.16 -> 6.33 (4 epochs at 3e-3: 7.29 -> 5.89,
+# at twice the cost: each epoch ends with a held-out evaluation, which dominates the time).
+N_CONVS, EPOCHS, LR = 40, 2, "6e-3"
+
+
 def _final_loss(work: str) -> float:
     ck = torch.load(os.path.join(work, "train-eagle3", "checkpoint.pt"), weights_only=True)
     return json.loads(ck["state"])["history"][-1]["loss"]
 
 
+# The script `accelerate launch` runs: the CLI, with `World.share` wrapped to log, per process,
+# the world it saw and the rows of every batch it took, so the test can tell one run over two
+# ranks from two independent single-process runs (which would also reach the one-process loss).
+ENTRY = """import json, os
+from eagle2_core.train import parallel
+seen = []
+share = parallel.World.share
+def logged(self, items):
+    mine = share(self, items)
+    seen.append({"rank": self.rank, "size": self.size, "batch": list(items), "mine": list(mine)})
+    return mine
+parallel.World.share = logged
+try:
+    from eagle2_cli.main import cli
+    cli()
+finally:
+    with open(os.environ["EAGLE2_TEST_SHARES"] + "." + os.environ.get("RANK", "?"), "w") as f:
+        json.dump({"env_world_size": os.environ.get("WORLD_SIZE"), "batches": seen}, f)
+"""
+
+
 def test_two_process_accelerate_run_reaches_the_one_process_loss(tiny8_dir, tmp_path):
-    """`accelerate launch` with 2 CPU processes (gloo): each trains on half of every batch,
-    gradients are averaged by token count, so the run follows the one-process run's loss; the
-    trainer itself fails if the two replicas end up different. (accelerate's `--cpu` launcher
-    starts a single process unless MPI is configured; `--multi_gpu` goes through torchrun, which
-    on a machine without GPUs starts CPU processes.)"""
+    """`accelerate launch` with 2 CPU processes (gloo): the two form one world of size 2, each
+    trains on its own half of every batch (disjoint, together the batch), gradients are averaged
+    by token count, so the run follows the one-process run's loss; the trainer itself fails if the
+    two replicas end up different. (accelerate's `--cpu` launcher starts a single process unless
+    MPI is configured; `--multi_gpu` goes through torchrun, which on a machine without GPUs starts
+    CPU processes.) The one-process reference runs the same command in this process."""
     if shutil.which("accelerate") is None:
         pytest.skip("accelerate's launcher is not on PATH")
+    from click.testing import CliRunner
+
     from conftest import TINY_CORPUS
+    from eagle2_cli.main import cli
 
     data = tmp_path / "sharegpt.json"
     convs = [{"id": str(i), "conversations": [{"from": "human", "value": f"{TINY_CORPUS[i % 6]} ({i})"},
                                               {"from": "gpt", "value": " ".join(TINY_CORPUS[(i + j) % 6] for j in range(3))}]}
-             for i in range(40)]  # distinct prompts: 8 are held out for evaluation, 32 train
+             for i in range(N_CONVS)]  # distinct prompts: 8 are held out for evaluation, the rest train
     write_truncated_sharegpt(data, convs, {"id": "cut", "conversations": []})
-    args = ["train", "--model", tiny8_dir, "--arch", "eagle3", "--data", str(data), "--no-self-distill", "--epochs", "4",
-            "--lr", "3e-3", "--batch-tokens", "256", "--max-len", "128", "--ttt-steps", "2", "--draft-vocab", "64", "--device", "cpu"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    entry = [sys.executable, "-c", "from eagle2_cli.main import cli; cli()"]
-    one = subprocess.run(entry + args + ["-o", str(tmp_path / "h1"), "--work-dir", str(tmp_path / "w1")],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert one.returncode == 0, one.stderr[-2000:]
+    args = ["train", "--model", tiny8_dir, "--arch", "eagle3", "--data", str(data), "--no-self-distill", "--epochs", str(EPOCHS),
+            "--lr", LR, "--batch-tokens", "256", "--max-len", "128", "--ttt-steps", "2", "--draft-vocab", "64", "--device", "cpu"]
+    one = CliRunner().invoke(cli, args + ["-o", str(tmp_path / "h1"), "--work-dir", str(tmp_path / "w1")])
+    assert one.exit_code == 0, (one.output + one.stderr)[-2000:]
     script = tmp_path / "eagle2_entry.py"
-    script.write_text("from eagle2_cli.main import cli\ncli()\n")
+    script.write_text(ENTRY)
+    shares = tmp_path / "shares"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "EAGLE2_TEST_SHARES": str(shares)}
     two = subprocess.run(["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                           "--mixed_precision", "no", "--dynamo_backend", "no", str(script)] + args
                          + ["-o", str(tmp_path / "h2"), "--work-dir", str(tmp_path / "w2")],
                          capture_output=True, text=True, env=env, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
+    logs = {r: json.loads((tmp_path / f"shares.{r}").read_text()) for r in (0, 1)}
+    for r, log in logs.items():  # one world of two, each process its own rank
+        assert log["env_world_size"] == "2" and log["batches"], log["env_world_size"]
+        assert {(b["rank"], b["size"]) for b in log["batches"]} == {(r, 2)}
+    b0, b1 = logs[0]["batches"], logs[1]["batches"]
+    assert len(b0) == len(b1) and all(x["batch"] == y["batch"] for x, y in zip(b0, b1))  # the same batches, step by step
+    for x, y in zip(b0, b1):  # split between the two: disjoint halves that make up the batch
+        assert not set(x["mine"]) & set(y["mine"]) and sorted(x["mine"] + y["mine"]) == sorted(x["batch"])
+    assert any(x["mine"] and y["mine"] for x, y in zip(b0, b1))  # both really trained
     l1, l2 = _final_loss(str(tmp_path / "w1")), _final_loss(str(tmp_path / "w2"))
     state = json.loads(torch.load(os.path.join(tmp_path / "w1", "train-eagle3", "checkpoint.pt"), weights_only=True)["state"])
     start = state["history"][0]["loss"]
-    print(f"\n[accelerate] final loss one process {l1:.4f}, two processes {l2:.4f} (first epoch {start:.4f})")
+    print(f"\n[accelerate] final loss one process {l1:.4f}, two processes {l2:.4f} (first epoch {start:.4f}); "
+          f"{len(b0)} steps split over 2 ranks; curve {[e['loss'] for e in state['history']]}")
     assert l1 < start - 0.5  # the one-process run learned, so matching it means something
     assert abs(l2 - l1) <= 0.05 * l1, (l1, l2)
     assert os.path.isfile(tmp_path / "h2" / "config.json")  # the main process saved the head
