@@ -92,6 +92,18 @@ def tiny_head_dir(tiny_model_dir, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2():
+    """The embedded default, SmolLM2-135M-Instruct with its shipped head, as `eagle2` loads it
+    with no --model / --draft (`Runtime.load(None)`): the GGUF is dequantized and the CPU cost
+    profile measured once per session, both into this session's EAGLE2_CACHE, where the CLI
+    (in-process or a subprocess, which inherits the variable) finds them again. Shared by the
+    slow tests: don't mutate it."""
+    from eagle2_core.runtime import Runtime
+
+    return Runtime.load(None)
+
+
+@pytest.fixture(scope="session")
 def tiny_target(tiny_model_dir):
     """The tiny model loaded through `load_target` (float32, CPU); shared, don't mutate."""
     from eagle2_core.loading import load_target
