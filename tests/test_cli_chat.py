@@ -13,6 +13,14 @@ from eagle2_cli.main import cli
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
+    """A cache folder of the test's own (the chat history file lives there), seeded with the
+    session's cost profiles so the tiny model's profile is measured once, not per test."""
+    import os
+    import shutil
+
+    profiles = os.path.join(os.environ["EAGLE2_CACHE"], "profiles")
+    if os.path.isdir(profiles):
+        shutil.copytree(profiles, tmp_path / "cache" / "profiles")
     monkeypatch.setenv("EAGLE2_CACHE", str(tmp_path / "cache"))
 
 
