@@ -2,6 +2,7 @@
 decoded as a user gets it (no --draft, no tree options: the CPU default decoder)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -16,8 +17,10 @@ N_PROMPTS, MAX_NEW = 3, 48
 #     gain(D) = sum_{j <= D} prod_{i <= j} a_i     (fractional D interpolated)
 # accepted draft tokens per cycle, and tau must exceed 1 + MARGIN * gain(D). MARGIN = 1/3: the
 # metadata was measured on held-out ShareGPT prompts, these are MT-bench questions, on which the
-# shipped head accepts less (measured, first 3-4 questions, 48-64 tokens: 0.45-0.75 of the
-# predicted gain). A random head (tau 1.0 on this model) fails the bar at any depth.
+# shipped head accepts less. Measured on a loaded 2-core CPU, first 3 questions, 48 tokens, three
+# sessions: tau 1.286 / 1.309 / 1.286 at mean depth 1.02 / 0.97 / 1.02, i.e. 0.44-0.48 of the
+# predicted gain, against bars of 1.21-1.22. A random head (tau 1.0 on this model) fails the bar
+# at any depth.
 MARGIN = 1 / 3
 
 
@@ -45,7 +48,7 @@ def test_shipped_head_default_decoder_is_lossless_and_drafts_well(smollm2):
     assert folder, "the package ships no head for its default model"
     meta = json.load(open(os.path.join(folder, "eagle2.json")))
     assert meta["target"] == "smollm2" and meta["steps"] > 0
-    rt = smollm2
+    rt = dataclasses.replace(smollm2, _decoders={})  # a decoder of this test's own (the budget learns from its cycles)
     assert rt.draft_name == folder and not rt.head_is_random  # no --draft: the shipped head
     assert rt.tree.budget == "auto"  # the CPU default, not a fixed tree
     dec, model = rt.eagle(), rt.model
