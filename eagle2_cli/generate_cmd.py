@@ -7,6 +7,23 @@ import click
 
 from .options import common_options
 
+
+class BatchSize(click.ParamType):
+    """An int >= 1, or `auto`."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            n = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a number nor 'auto'", param, ctx)
+        if n < 1:
+            self.fail(f"{n} is smaller than 1", param, ctx)
+        return n
+
 EPILOG = """\b
 Input lines (JSONL; sampling keys such as max_new_tokens, temperature, top_p, top_k, seed,
 stop may be set per line):
@@ -35,15 +52,18 @@ Examples:
               help="Output JSONL, appended to and resumed; '-' for stdout.")
 @click.option("--restart", is_flag=True, help="Discard an existing output file instead of resuming it.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--batch-size", "-b", type=BatchSize(), default="auto", show_default=True, metavar="N|auto",
+              help="Sequences decoded together (continuous batching: a finished one's slot takes the next prompt). "
+                   "auto: the size that this machine's measured costs say is fastest; 1: one prompt at a time.")
 @common_options
-def generate(input_path, output_path, restart, no_progress, common):
+def generate(input_path, output_path, restart, no_progress, batch_size, common):
     """Generate answers for every prompt in a JSONL file.
 
     MT-bench lines run turn by turn: each answer goes into the next turn's prompt.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from eagle2_core.batch import OutputWriter, plan_resume, prepare_output, run_item, run_pending
+    from eagle2_core.batch import OutputWriter, plan_resume, prepare_output, run_batched, run_item, run_pending
     from eagle2_core.prompts import InputError, read_prompt_file
 
     from .ui import consoles, error
@@ -60,8 +80,19 @@ def generate(input_path, output_path, restart, no_progress, common):
     writer = OutputWriter(output_path, sys.stdout)
     if skipped:
         err.print(f"resuming {output_path}: {skipped} already done, {len(pending)} to go")
+    tree_tokens = common.total_tokens
+    if tree_tokens == 1:  # plain decoding: batched.py's cycle with a tree of one node
+        common.total_tokens = None
     rt = common.load(err) if todo else None
-    decoder = rt.eagle() if rt is not None else None
+    batched, plan = (None, {})
+    if rt is not None:
+        batched, plan = rt.batch_decoder(todo, None if batch_size == "auto" else batch_size, tree_tokens,
+                                         depth=common.depth, top_k=common.tree_top_k)
+        if batched is not None:
+            what = "plain decoding" if batched.tree_tokens == 1 else (
+                f"trees of up to {batched.tree_tokens} nodes (chosen per cycle)" if batched.planner else f"trees of {batched.tree_tokens} nodes")
+            err.print(f"batch of {batched.batch}, {what}", highlight=False)
+    decoder = rt.eagle() if rt is not None and batched is None else None
     progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[rate]}"),
                         console=err, disable=no_progress or not err.is_terminal, transient=False)
@@ -81,7 +112,10 @@ def generate(input_path, output_path, restart, no_progress, common):
     try:
         with progress:
             task = progress.add_task("generating", total=len(pending), rate="")
-            ok, failed = run_pending(pending, writer, lambda item: run_item(rt, decoder, item, rt.gen), on_fail, on_done)
+            if batched is not None:
+                ok, failed = run_batched(rt, pending, writer, rt.gen, batched, on_fail, on_done)
+            else:
+                ok, failed = run_pending(pending, writer, lambda item: run_item(rt, decoder, item, rt.gen), on_fail, on_done)
     finally:
         writer.close()
     where = "" if output_path == "-" else f" -> {output_path}"

@@ -89,8 +89,8 @@ class TreeSize(click.ParamType):
             n = int(value)
         except ValueError:
             self.fail(f"{value!r} is neither a number nor 'auto'", param, ctx)
-        if n < 2:
-            self.fail(f"{n} is smaller than 2 (the root and one drafted token)", param, ctx)
+        if n < 1:
+            self.fail(f"{n} is smaller than 1 (1: the root alone, plain decoding)", param, ctx)
         return n
 
 

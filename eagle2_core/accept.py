@@ -110,3 +110,43 @@ def accept_sampling(tree: DraftTree, probs: torch.Tensor, generator: torch.Gener
             return path, bonus
         path.append(accepted)
         node = accepted
+
+
+def inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    """The token at which the cumulative distribution first exceeds u (of the row's total mass)."""
+    c = probs.double().cumsum(-1)
+    return int(torch.searchsorted(c, torch.tensor([u * float(c[-1])], dtype=c.dtype), right=True).clamp(max=probs.shape[-1] - 1))
+
+
+def accept_sampling_keyed(tree: DraftTree, probs: torch.Tensor, uniforms: list[float]) -> tuple[list[int], int]:
+    """Lossless sampling acceptance whose outcome does not depend on the tree (batched decoding).
+
+    At each node the target's own token is drawn by inverse CDF from one uniform per output
+    position (uniforms[d] for the token after the depth-d node); the walk moves to the child that
+    carries that token, and ends with it as the bonus when no child does. Each emitted token is
+    therefore a draw from p at its position, exactly as plain sampling makes it, so the law is the
+    target's (every token ~ p given the tokens before it). And since the draw depends only on p and
+    the position's uniform, a seeded answer is the same whatever tree, tree size or batch-mates a
+    cycle had, and the same as plain decoding with those uniforms. For one-hot drafts the chance to
+    accept some child is sum of p(child), as under the recursive rule (`accept_sampling`).
+    """
+    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+    kids = children_lists(parents)
+    node, path = 0, [0]
+    for d in range(len(uniforms)):
+        tok = inverse_cdf(probs[node].float().cpu(), uniforms[d])
+        nxt = next((c for c in kids[node] if tokens[c] == tok), None)
+        if nxt is None:
+            return path, tok
+        path.append(nxt)
+        node = nxt
+    raise ValueError("fewer uniforms than the tree is deep")
+
+
+def position_uniforms(seed: int, start: int, count: int) -> list[float]:
+    """One uniform per output position start .. start + count - 1, from (seed, position) alone."""
+    out = []
+    for t in range(start, start + count):
+        g = torch.Generator().manual_seed((seed * 1_000_003 + t) % (1 << 63))
+        out.append(float(torch.rand((), generator=g, dtype=torch.float64)))
+    return out

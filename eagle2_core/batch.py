@@ -117,6 +117,29 @@ def _prompt_field(item: PromptItem, turn: int) -> str:
     return "messages" if len(item.messages) > 1 or item.messages[0]["role"] != "user" else "prompt"
 
 
+def _too_long(runtime, item: PromptItem, ids: list[int], turn: int) -> InputError | None:
+    if len(ids) < runtime.max_positions:
+        return None
+    return InputError(f"prompt is {len(ids)} tokens, the model's context is {runtime.max_positions}",
+                      field=_prompt_field(item, turn), line=item.line, key=item.key, id=item.id)
+
+
+def item_record(item: PromptItem, texts: list[str], reasons: list[str], total: Summary, depth: int) -> dict[str, Any]:
+    """The output record of a finished item (every turn answered)."""
+    out = item.echo()
+    if item.multi_turn:
+        out["turns"] = texts
+        out["finish_reason"] = reasons[-1]
+        out["finish_reasons"] = reasons
+    else:
+        out["text"] = texts[0]
+        out["finish_reason"] = reasons[0]
+    out["usage"] = {"prompt_tokens": total.prompt_tokens, "completion_tokens": total.new_tokens,
+                    "total_tokens": total.prompt_tokens + total.new_tokens}
+    out["metrics"] = summary_metrics(total, depth)
+    return out
+
+
 def run_item(runtime, decoder, item: PromptItem, gen: GenerationSettings, on_tokens=None) -> dict[str, Any]:
     """Generate every turn of `item`; returns its output record. Raises InputError for a prompt
     that does not fit the context (the caller turns it into an error record)."""
@@ -129,9 +152,9 @@ def run_item(runtime, decoder, item: PromptItem, gen: GenerationSettings, on_tok
         if followup is not None:
             messages.append({"role": "user", "content": followup})
         ids = runtime.encode(messages)
-        if len(ids) >= runtime.max_positions:
-            raise InputError(f"prompt is {len(ids)} tokens, the model's context is {runtime.max_positions}",
-                             field=_prompt_field(item, t), line=item.line, key=item.key, id=item.id)
+        err = _too_long(runtime, item, ids, t)
+        if err is not None:
+            raise err
         tokens, summary = decoder.generate(ids, g)
         text = runtime.decode(tokens)
         if on_tokens:
@@ -140,15 +163,67 @@ def run_item(runtime, decoder, item: PromptItem, gen: GenerationSettings, on_tok
         reasons.append(summary.finish_reason)
         total.merge(summary)
         messages.append({"role": "assistant", "content": text})
-    out = item.echo()
-    if item.multi_turn:
-        out["turns"] = texts
-        out["finish_reason"] = reasons[-1]
-        out["finish_reasons"] = reasons
-    else:
-        out["text"] = texts[0]
-        out["finish_reason"] = reasons[0]
-    out["usage"] = {"prompt_tokens": total.prompt_tokens, "completion_tokens": total.new_tokens,
-                    "total_tokens": total.prompt_tokens + total.new_tokens}
-    out["metrics"] = summary_metrics(total, getattr(getattr(decoder, "tree", None), "depth", 0))
-    return out
+    return item_record(item, texts, reasons, total, getattr(getattr(decoder, "tree", None), "depth", 0))
+
+
+def run_batched(runtime, pending: list, writer: "OutputWriter", gen: GenerationSettings, decoder, on_fail=None,
+                on_done=None) -> tuple[int, int]:
+    """`run_pending` with continuous batching (batched.BatchDecoder): every prompt of the file is
+    queued, a free slot takes the next one, and a record is written as soon as its item's last
+    turn is answered, so records come in the order items finish. A conversation's next turn is
+    queued first (it needs the previous answer, and its item's record waits for it).
+    Returns (ok, failed)."""
+    from collections import deque
+
+    from .batched import Request
+
+    counts = {"ok": 0, "failed": 0}
+    state: dict[int, dict] = {}
+    queue: deque = deque()
+
+    def fail(entry: InputError) -> None:
+        counts["failed"] += 1
+        writer.write(entry.record())
+        if on_fail:
+            on_fail(entry)
+
+    def submit(key: int, front: bool = False) -> None:
+        st = state[key]
+        item, turn = st["item"], len(st["texts"])
+        ids = runtime.encode(st["messages"])
+        err = _too_long(runtime, item, ids, turn)
+        if err is not None:
+            del state[key]
+            fail(err)
+            return
+        req = Request(key, ids, st["gen"])
+        queue.appendleft(req) if front else queue.append(req)
+
+    def done(key: int, tokens: list[int], summary: Summary) -> None:
+        st = state[key]
+        text = runtime.decode(tokens)
+        st["texts"].append(text)
+        st["reasons"].append(summary.finish_reason)
+        st["total"].merge(summary)
+        st["messages"].append({"role": "assistant", "content": text})
+        item = st["item"]
+        if len(st["texts"]) <= len(item.followups):
+            st["messages"].append({"role": "user", "content": item.followups[len(st["texts"]) - 1]})
+            submit(key, front=True)
+            return
+        del state[key]
+        rec = item_record(item, st["texts"], st["reasons"], st["total"], decoder.depth)
+        writer.write(rec)
+        counts["ok"] += 1
+        if on_done:
+            on_done(item, rec)
+
+    for key, entry in enumerate(pending):
+        if isinstance(entry, InputError):
+            fail(entry)
+            continue
+        state[key] = {"item": entry, "gen": apply_overrides(gen, entry.overrides), "messages": list(entry.messages),
+                      "texts": [], "reasons": [], "total": Summary()}
+        submit(key)
+    decoder.run(queue, done)
+    return counts["ok"], counts["failed"]

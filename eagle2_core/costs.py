@@ -105,7 +105,7 @@ def profile_key(model, head) -> dict:
     return {"version": PROFILE_VERSION, "model": hashlib.sha1(cfg.encode()).hexdigest()[:16], "dtype": str(w.dtype).replace("torch.", ""),
             "device": str(w.device), "device_name": _device_name(w.device), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "head": f"{getattr(head, 'kind', 'eagle2')}:{head.spec.hidden_size}:{head_draft_rows(head)}"}
+            "head": None if head is None else f"{getattr(head, 'kind', 'eagle2')}:{head.spec.hidden_size}:{head_draft_rows(head)}"}
 
 
 def head_draft_rows(head) -> int:
@@ -224,3 +224,140 @@ def load_or_measure(model, head, remeasure: bool = False) -> CostProfile:
     except OSError:
         pass  # a read-only cache only costs a few seconds next time
     return prof
+
+
+# -- batches: verify ms for B sequences x N tree nodes, draft ms for B trees (batched.py) -------
+# A prompt file can run B sequences per cycle. Whether rows of other sequences are cheaper than
+# rows of a bigger tree (and whether drafting pays at all at batch B) is again a property of the
+# machine, so the batched cycle itself is timed on a grid of (B, N) and cached like the profile.
+BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+BATCH_TREES = (1, 2, 3, 4, 6)
+BATCH_MAX_ROWS = 96       # the grid stops at B x N rows beyond this (extrapolated linearly)
+BATCH_CONTEXT = 96        # prompt tokens per sequence while timing
+BATCH_VERSION = 1
+
+
+@dataclass
+class BatchCosts:
+    key: dict
+    verify_ms: dict[tuple[int, int], float]   # (B, N) -> ms of one batched verify (N = 1: a plain batched step)
+    draft_ms: dict[int, float]                # B -> ms of drafting B trees (absorb + expansion + rerank)
+    depth: int = 3
+    top_k: int = 2
+    measured_at: float = field(default_factory=time.time)
+
+    @property
+    def batches(self) -> list[int]:
+        return sorted(self.draft_ms) or sorted({b for b, _ in self.verify_ms})
+
+    def verify(self, b: int, n: int) -> float:
+        """ms for (b, n): measured, else linear in n at each measured batch size and linear in b
+        between the nearest measured sizes (proportional beyond the largest)."""
+        if (b, n) in self.verify_ms:
+            return self.verify_ms[(b, n)]
+
+        def at(bb):
+            return float(_table({x: ms for (x0, x), ms in self.verify_ms.items() if x0 == bb}, n)[-1])
+        return _between(sorted({x for x, _ in self.verify_ms}), b, at)
+
+    def draft(self, b: int) -> float:
+        if b in self.draft_ms or not self.draft_ms:
+            return self.draft_ms.get(b, 0.0)
+        return _between(sorted(self.draft_ms), b, lambda bb: self.draft_ms[bb])
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "verify_ms": {f"{b}x{n}": round(v, 3) for (b, n), v in self.verify_ms.items()},
+                "draft_ms": {str(b): round(v, 3) for b, v in self.draft_ms.items()}, "depth": self.depth, "top_k": self.top_k,
+                "measured_at": self.measured_at}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "BatchCosts":
+        verify = {tuple(int(x) for x in k.split("x")): float(v) for k, v in d["verify_ms"].items()}
+        return cls(key=d["key"], verify_ms=verify, draft_ms={int(k): float(v) for k, v in d["draft_ms"].items()},
+                   depth=int(d.get("depth", 3)), top_k=int(d.get("top_k", 2)), measured_at=float(d.get("measured_at", 0)))
+
+
+def _between(xs: list[int], x: int, f) -> float:
+    """f at x by linear interpolation between measured xs (f(xs[0]) below, proportional above)."""
+    if x <= xs[0]:
+        return f(xs[0])
+    if x >= xs[-1]:
+        return f(xs[-1]) * x / xs[-1]
+    hi = next(v for v in xs if v >= x)
+    lo = max(v for v in xs if v <= x)
+    return f(lo) if hi == lo else f(lo) + (f(hi) - f(lo)) * (x - lo) / (hi - lo)
+
+
+def batch_key(model, head, depth: int, top_k: int) -> dict:
+    return {**profile_key(model, head), "batch_version": BATCH_VERSION, "depth": depth, "top_k": top_k}
+
+
+@torch.no_grad()
+def measure_batch_costs(model, head, depth: int = 3, top_k: int = 2, batches=BATCH_SIZES, trees=BATCH_TREES,
+                        reps: int = 3, context: int = BATCH_CONTEXT) -> BatchCosts:
+    """Time the batched cycle itself (batched.BatchCycle) at every (B, N) of the grid up to
+    BATCH_MAX_ROWS rows: B random prompts of `context` tokens are admitted, then cycles are timed
+    in interleaved rounds (median), drafting once per cycle where N > 1."""
+    from .batched import BatchCycle, Slot
+    from .events import GenerationSettings, StopChecker, Summary
+
+    run_max = getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config,
+                      "max_position_embeddings", 1 << 30) or 1 << 30
+    context = max(1, min(context, run_max // 2))
+    vocab = model.get_output_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(0)
+    trees = [n for n in trees if n == 1 or head is not None]
+    verify, draft = {}, {}
+    for b in batches:
+        sizes = [n for n in trees if b * n <= BATCH_MAX_ROWS or n == 1]
+        if not sizes:
+            continue
+        n_top = max(sizes)
+        cyc = BatchCycle(model, head if n_top > 1 else None, None, b, n_top, depth, top_k, capacity=context + 8 * (reps + 1) * len(sizes) + 8)
+        try:
+            g = GenerationSettings(max_new_tokens=8 * (reps + 1) * len(sizes) + 8, eos_token_ids=())
+            for i in range(b):
+                ids = torch.randint(0, min(vocab, 1000), (context,), generator=gen).tolist()
+                cyc.admit(i, ids, Slot(key=i, stop=StopChecker(g, None, set(), 1 << 30, context), summary=Summary()), lambda lg: int(lg.argmax(-1)[0]))
+            times = {n: ([], []) for n in sizes}
+            for r in range(reps + 1):
+                for n in sizes:
+                    cyc.n_max, cyc.speculative = n, n > 1
+                    cyc.step()
+                    if r:  # round 0 warms up
+                        times[n][0].append(cyc.last["draft_s"])
+                        times[n][1].append(cyc.last["verify_s"])
+            for n in sizes:
+                verify[(b, n)] = 1000 * sorted(times[n][1])[len(times[n][1]) // 2]
+            spec = [n for n in sizes if n > 1]
+            if spec:
+                d = sorted(x for n in spec for x in times[n][0])
+                draft[b] = 1000 * d[len(d) // 2]
+            else:
+                draft[b] = 0.0
+        finally:
+            cyc.close()
+    return BatchCosts(key=batch_key(model, head, depth, top_k), verify_ms=verify, draft_ms=draft, depth=depth, top_k=top_k)
+
+
+def load_or_measure_batch(model, head, depth: int = 3, top_k: int = 2, remeasure: bool = False) -> BatchCosts:
+    """The cached batch grid for this (model, head, dtype, device, threads, versions, tree shape)."""
+    key = batch_key(model, head, depth, top_k)
+    path = _cache_path(key).replace(".json", "-batch.json")
+    if not remeasure and os.path.isfile(path):
+        try:
+            with open(path) as f:
+                costs = BatchCosts.from_json(json.load(f))
+            if costs.key == key:
+                return costs
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            warnings.warn(f"ignoring the unreadable batch cost table {path} ({e}); measuring again", stacklevel=2)
+    costs = measure_batch_costs(model, head, depth, top_k)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(costs.to_json(), f, indent=1)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
+    return costs

@@ -173,3 +173,38 @@ class Runtime:
 
     def vanilla(self, compiled: bool = False, **generate_kwargs) -> VanillaDecoder:
         return VanillaDecoder(self.model, self.tokenizer, compiled=compiled, **generate_kwargs)
+
+    def batch_decoder(self, n_prompts: int, batch_size: int | None = None, tree_tokens: int | str | None = None,
+                      depth: int | None = None, top_k: int | None = None):
+        """(BatchDecoder or None, plan) for a prompt file of `n_prompts` prompts.
+
+        The batch size B and the tree size N (1 = plain decoding) that maximise tokens per second
+        on this machine are chosen from the measured batch costs (costs.BatchCosts) and the
+        head's expected acceptance (batched.prior_expected; replaced by the draft's calibrated
+        confidence once cycles run, per cycle). `batch_size` and an int `tree_tokens` pin them.
+        None means B = 1 with a tree: the per-prompt decoder (`eagle()`), the per-cycle budget included.
+        """
+        from .batched import BatchDecoder, BatchPlanner, prior_expected, plan
+        from .costs import BATCH_TREES, load_or_measure_batch
+
+        if batch_size == 1 and tree_tokens != 1:
+            return None, {"batch_size": 1, "tree_tokens": "per-prompt decoder", "reason": "pinned"}
+        usable = self.head is not None and not self.head_is_random
+        depth = depth or 3
+        top_k = top_k or 2
+        pinned_n = tree_tokens if isinstance(tree_tokens, int) else None
+        if pinned_n is not None and pinned_n > 1 and self.head is None:
+            raise LoadError("a tree of more than one node needs a draft head")
+        costs = load_or_measure_batch(self.model, self.head if self.head is not None else None, depth, top_k)
+        n_max = max(BATCH_TREES) if pinned_n is None else pinned_n
+        prior = prior_expected(self.head if usable else None, n_max)
+        b, n, table = plan(costs, n_prompts, prior, batch=batch_size, tree=pinned_n)
+        info = {"batch_size": b, "tree_tokens": n, "depth": depth, "top_k": top_k, "expected_tok_s": {f"{k[0]}x{k[1]}": round(v, 1) for k, v in table.items()}}
+        if b == 1 and pinned_n != 1:
+            # one sequence: the per-prompt decoder, whose per-cycle budget already weighs a tree
+            # against the root alone (budget.py), so batch 1 is never slower than before batching
+            return None, {**info, "tree_tokens": "per-prompt decoder"}
+        n_run = n if pinned_n is not None or n == 1 else n_max
+        planner = BatchPlanner(costs, b, n_run, prior) if pinned_n is None and n_run > 1 else None
+        dec = BatchDecoder(self.model, self.head if n_run > 1 else None, self.tokenizer, b, n_run, depth, top_k, planner=planner)
+        return dec, info
