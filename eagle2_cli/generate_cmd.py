@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import click
 
@@ -96,7 +97,7 @@ def generate(input_path, output_path, restart, no_progress, batch_size, common):
     progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[rate]}"),
                         console=err, disable=no_progress or not err.is_terminal, transient=False)
-    totals = {"tokens": 0, "wall": 0.0}
+    totals = {"tokens": 0, "start": time.perf_counter()}
 
     def on_fail(e: InputError) -> None:
         e.path = e.path or input_path
@@ -105,8 +106,8 @@ def generate(input_path, output_path, restart, no_progress, batch_size, common):
 
     def on_done(entry, rec) -> None:
         totals["tokens"] += rec["usage"]["completion_tokens"]
-        totals["wall"] += rec["metrics"]["wall_time"]
-        rate = f"{totals['tokens'] / totals['wall']:.1f} tok/s" if totals["wall"] > 0 else ""
+        wall = time.perf_counter() - totals["start"]  # wall time, not the sum of records' (batched records overlap)
+        rate = f"{totals['tokens'] / wall:.1f} tok/s" if wall > 0 else ""
         progress.update(task, advance=1, rate=rate)
 
     try:

@@ -7,9 +7,11 @@ from .options import common_options
 
 
 @click.command("tune")
+@click.option("--batch/--no-batch", "batch", default=True, show_default=True,
+              help="Also measure batches: verify ms for B sequences x N tree nodes (what `generate` plans with).")
 @click.option("--json", "json_path", default=None, type=click.Path(dir_okay=False, allow_dash=True), help="Also write the profile as JSON ('-' for stdout).")
 @common_options
-def tune(json_path, common):
+def tune(batch, json_path, common):
     """Measure the target's verify cost by tree rows and the draft step's cost, and cache them.
 
     `--total-tokens auto` chooses each cycle's tree from this profile and the draft's own
@@ -42,5 +44,27 @@ def tune(json_path, common):
         out.print("lm_head ms by rows: " + ", ".join(f"{k}: {v:.2f}" for k, v in sorted(prof.lm_head_ms.items()))
                   + f"  -> greedy acceptance puts {'all tree rows in one product' if prof.rows_are_cheap(rt.tree.total_tokens) else 'internal rows first, then the leaf'}",
                   highlight=False)
+    data = prof.to_json()
+    if batch:
+        from eagle2_core.batched import plan, prior_expected
+        from eagle2_core.costs import BATCH_TREES, load_or_measure_batch
+
+        depth, top_k = common.depth or 3, common.tree_top_k or 2
+        with status(err, "Measuring batched cycles (B sequences x N tree nodes)..."):
+            bc = load_or_measure_batch(rt.model, rt.head, depth, top_k, remeasure=True)
+        prior = prior_expected(None if rt.head_is_random else rt.head, max(BATCH_TREES))
+        b, n, est = plan(bc, 1 << 20, prior)
+        bt = Table(title=f"batched cycle ms (expansion depth {depth}, top-k {top_k}); est. tok/s from the head's expected acceptance")
+        bt.add_column("batch", justify="right")
+        bt.add_column("draft ms", justify="right")
+        for nn in BATCH_TREES:
+            bt.add_column(f"N={nn}" + (" (plain)" if nn == 1 else ""), justify="right")
+        for bb in bc.batches:
+            cells = [f"{bc.verify_ms[(bb, nn)]:.0f} / {est[(bb, nn)]:.0f}" if (bb, nn) in bc.verify_ms else "" for nn in BATCH_TREES]
+            bt.add_row(str(bb), f"{bc.draft(bb):.0f}", *cells)
+        out.print(bt)
+        out.print(f"cells: verify ms / est. tok/s; a large prompt file would run at batch {b} with "
+                  + ("plain decoding" if n == 1 else f"trees of {n} nodes"), highlight=False)
+        data["batch"] = bc.to_json()
     if json_path:
-        write_json(prof.to_json(), json_path, err)
+        write_json(data, json_path, err)

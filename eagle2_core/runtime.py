@@ -195,10 +195,13 @@ class Runtime:
         pinned_n = tree_tokens if isinstance(tree_tokens, int) else None
         if pinned_n is not None and pinned_n > 1 and self.head is None:
             raise LoadError("a tree of more than one node needs a draft head")
-        costs = load_or_measure_batch(self.model, self.head if self.head is not None else None, depth, top_k)
         n_max = max(BATCH_TREES) if pinned_n is None else pinned_n
         prior = prior_expected(self.head if usable else None, n_max)
-        b, n, table = plan(costs, n_prompts, prior, batch=batch_size, tree=pinned_n)
+        if batch_size is not None and pinned_n is not None:  # both pinned: nothing to measure or plan
+            costs, b, n, table = None, batch_size, pinned_n, {}
+        else:
+            costs = load_or_measure_batch(self.model, self.head, depth, top_k)
+            b, n, table = plan(costs, n_prompts, prior, batch=batch_size, tree=pinned_n)
         info = {"batch_size": b, "tree_tokens": n, "depth": depth, "top_k": top_k, "expected_tok_s": {f"{k[0]}x{k[1]}": round(v, 1) for k, v in table.items()}}
         if b == 1 and pinned_n != 1:
             # one sequence: the per-prompt decoder, whose per-cycle budget already weighs a tree
