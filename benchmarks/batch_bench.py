@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
-    from eagle2_core.bench import dataset_items
+    from eagle2_core.datasets import dataset_items
     from eagle2_core.runtime import Runtime
     from eagle2_core.target import model_eos_ids
 

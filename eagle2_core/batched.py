@@ -1,6 +1,6 @@
 """Batched decoding: B sequences per cycle, each with its own draft tree, one target forward of B x N rows.
 
-The cycle is the one `fixed.py` runs at batch 1, with a batch dimension in front of every tensor:
+The cycle is the one `graphcycle.py` runs at batch 1, with a batch dimension in front of every tensor:
 
   * every sequence (a *slot*) gets a dynamic tree of exactly N nodes (EAGLE-2 section 4: expansion
     by path score, then rerank); N = 1 is plain decoding (the tree is the root alone, no draft), so
@@ -136,11 +136,6 @@ def windowed(allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, wi
     return allowed & (k_pos[:, None, :] > q_pos[:, :, None] - window)
 
 
-def rows_additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
-    """[B, n, k] bool -> the additive [B, 1, n, k] mask (one mask per row of the batch)."""
-    return additive(allowed, dtype)[0, 0][:, None]
-
-
 def batch_trees(tokens: torch.Tensor, parents: torch.Tensor, depth_max: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`tree.tree_from_parents` for B trees at once: (depth [B, N], ancestors [B, N, N]); depth_max
     passes push ancestry down one level each, with no host read."""
@@ -248,8 +243,8 @@ class BatchCycle:
     def _masks(self, allowed_fn, dtype):
         r = self.run
         if r.hybrid:
-            return {"full_attention": rows_additive(allowed_fn(None), dtype), "sliding_attention": rows_additive(allowed_fn(r.window), dtype)}
-        return rows_additive(allowed_fn(r.window), dtype)
+            return {"full_attention": additive(allowed_fn(None), dtype), "sliding_attention": additive(allowed_fn(r.window), dtype)}
+        return additive(allowed_fn(r.window), dtype)
 
     # -- admission --------------------------------------------------------------------------
     @property
@@ -292,7 +287,7 @@ class BatchCycle:
             if n > 1:  # pairs (f_t, x_{t+1}) for t < n - 1, at positions t
                 h = self.hcache
                 h.row, h.slots, h.view = b, pos[: n - 1], n - 1
-                bias = rows_additive(causal_rows(pos[None, : n - 1], n - 1), self.head.fc.weight.dtype)
+                bias = additive(causal_rows(pos[None, : n - 1], n - 1), self.head.fc.weight.dtype)
                 self.head(x[None, 1:], self.head.project(feats[None, : n - 1]), pos[None, : n - 1], attention_mask=bias, cache=h)
                 h.row = None
             self.new_tokens[b, 0] = root
@@ -337,7 +332,7 @@ class BatchCycle:
         positions = self.head_len[:, None] + torch.arange(w, device=dev)
         view = self._view(w + self.depth * k)
         h.slots, h.view = positions, view
-        bias = rows_additive(causal_rows(positions, view), dtype)
+        bias = additive(causal_rows(positions, view), dtype)
         out = head(self.new_tokens, head.project(self.new_features), positions, attention_mask=bias, cache=h)
         rows = torch.arange(b, device=dev)
         hid = out[rows, self.n_new - 1]                    # [B, H]: each row's root state
@@ -356,7 +351,7 @@ class BatchCycle:
             m = visible.shape[2]
             h.slots = ctx[:, None] + torch.arange(m - k, m, device=dev)
             pos = (ctx + d - 1)[:, None].expand(b, k)
-            bias = rows_additive(context_and_tree(ctx, visible, view), dtype)
+            bias = additive(context_and_tree(ctx, visible, view), dtype)
             out_h = head(tokens, front_h, pos, attention_mask=bias, cache=h)
             out_lp = torch.log_softmax(head.draft_logits(out_h).float(), dim=-1)
             child_lp, child_ids = torch.topk(out_lp, k, dim=-1)            # [B, k, k]

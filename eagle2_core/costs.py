@@ -301,8 +301,9 @@ def measure_batch_costs(model, head, depth: int = 3, top_k: int = 2, batches=BAT
     from .batched import BatchCycle, Slot
     from .events import GenerationSettings, StopChecker, Summary
 
-    run_max = getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config,
-                      "max_position_embeddings", 1 << 30) or 1 << 30
+    from .target import context_length
+
+    run_max = context_length(model.config)
     context = max(1, min(context, run_max // 2))
     vocab = model.get_output_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(0)
