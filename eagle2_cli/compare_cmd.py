@@ -22,7 +22,7 @@ def _against(ctx, param, value):
     if not value:
         return ()
     # Imported here, not at module level, so `--help` stays light; parsing rules live in the engine.
-    from eagle2_core.methods import BASELINES, RENAMED, parse_tree_spec
+    from eagle2_core.methods import BASELINES, RENAMED, parse_batch_spec, parse_tree_spec
     from eagle2_core.treesettings import TreeSettings
 
     from .ui import old_spelling
@@ -31,9 +31,9 @@ def _against(ctx, param, value):
     for n in set(names) & set(RENAMED):
         old_spelling(f"--against {n}", RENAMED[n])
     names = tuple(dict.fromkeys(RENAMED.get(n, n) for n in names))
-    bad = [n for n in names if n not in BASELINES and parse_tree_spec(n) is None]
+    bad = [n for n in names if n not in BASELINES and parse_tree_spec(n) is None and parse_batch_spec(n) is None]
     if bad:
-        raise click.BadParameter(f"unknown baseline {', '.join(bad)}; choose from {', '.join(BASELINES)}, tree:N/D/K or auto:N/D/K")
+        raise click.BadParameter(f"unknown baseline {', '.join(bad)}; choose from {', '.join(BASELINES)}, tree:N/D/K, auto:N/D/K or batch:B[xN]")
     for n in names:
         if (spec := parse_tree_spec(n)) is not None:
             try:
@@ -72,13 +72,17 @@ def calibration_line(comp) -> str | None:
                    "tree:N/D/K (the dynamic tree with N tokens, depth D, top-k K; repeatable to sweep tree sizes), "
                    "auto or auto:N/D/K (the tree size chosen every cycle, up to N, from measured costs), "
                    "graph and compiled (EAGLE-2 in graph mode: fixed shapes, uncaptured and captured), "
-                   "generate-compiled (HF generate with a static cache and torch.compile).")
+                   "generate-compiled (HF generate with a static cache and torch.compile), "
+                   "batch:auto, batch:B or batch:BxN (eagle2 batched at B sequences, trees of N; N=1: plain).")
 @click.option("--assistant", default=None, metavar="MODEL", help="Small model for --against sps.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), default=None, help="Write the statistics as JSON ('-' for stdout).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="PNG: acceptance-length histogram and per-prompt speedup (needs matplotlib).")
+@click.option("--batch-size", "-b", type=click.IntRange(min=1), default=None,
+              help="Run the eagle2 row batched: N sequences per cycle (continuous batching), the tree size chosen by measured "
+                   "cost; vanilla stays batch-1 generate, so identical counts are against it. See also --against batch:B[xN].")
 @click.option("--warmup-tokens", type=click.IntRange(min=0), default=8, show_default=True, help="Tokens per method in the warm-up run.")
 @common_options(max_new_tokens=128)
-def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, plot_path, warmup_tokens, common):
+def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, plot_path, batch_size, warmup_tokens, common):
     """Compare EAGLE-2 with Hugging Face generate on the same prompts, in one process.
 
     Runs a warm-up, then every method on each prompt in turn. Reports tokens/s, speedup (total
@@ -129,7 +133,7 @@ def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, 
 
         with status(err, f"Loading assistant {assistant}..."):
             helper = load_target(assistant, dtype=common.dtype, device=common.device, trust_remote_code=common.trust_remote_code).model
-    methods = build_methods(rt, against, vanilla=vanilla, assistant_model=helper)
+    methods = build_methods(rt, against, vanilla=vanilla, assistant_model=helper, batch_size=batch_size)
 
     t = rt.tree
     settings = {**rt.describe(), "source": source}

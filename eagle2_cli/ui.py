@@ -126,8 +126,12 @@ def compare_table(comp, title: str) -> Table:
     for name, run in comp.runs.items():
         sp, mean, same = comp.speedup(name), comp.mean_speedup(name), comp.identical(name)
         base = name == comp.baseline
+        label = name
+        if run.plan:  # a batched method: what it ran as
+            tree = run.plan.get("tree_tokens")
+            label += f" (batch {run.plan.get('batch_size')}, " + ("plain" if tree == 1 else f"tree {tree}") + ")"
         t.add_row(
-            name,
+            label,
             f"{run.tokens_per_s:.1f}",
             "1.00x" if base else (f"{sp:.2f}x" if sp else "-"),
             "" if base else (f"{mean:.2f}x" if mean else "-"),

@@ -38,14 +38,23 @@ def run_comparison(methods: dict[str, tuple[Decoder, bool]], items: list[PromptI
         wg = dataclasses.replace(gen, max_new_tokens=warmup_tokens)
         for dec, _ in methods.values():
             dec.generate(encoded[0], wg)
+    whole = {name for name, (dec, _) in methods.items() if hasattr(dec, "generate_many")}  # batched: all prompts at once
     for i, (item, ids) in enumerate(zip(items, encoded)):
         g = apply_overrides(gen, item.overrides)
         for name, (dec, _) in methods.items():
+            if name in whole:
+                continue
             tokens, summary = dec.generate(ids, g)
             runs[name].outputs.append(tokens)
             runs[name].summaries.append(summary)
         if on_step:
             on_step("prompt", i + 1, item)
+    for name in whole:
+        dec = methods[name][0]
+        for tokens, summary in dec.generate_many(encoded, [apply_overrides(gen, it.overrides) for it in items]):
+            runs[name].outputs.append(tokens)
+            runs[name].summaries.append(summary)
+        runs[name].plan = getattr(dec, "plan", None)
     if encoded and not gen.temperature:
         for name, (dec, spec) in methods.items():
             runs[name].ops_per_cycle = ops_per_cycle(dec, encoded[0], gen) if spec else None

@@ -7,7 +7,7 @@ import dataclasses
 import re
 
 Decoder = object  # anything with .generate(prompt_ids, GenerationSettings) -> (tokens, Summary)
-BASELINES = ("pld", "sps", "static", "chain", "auto", "graph", "compiled", "generate-compiled")  # plus tree:N/D/K and auto:N/D/K
+BASELINES = ("pld", "sps", "static", "chain", "auto", "graph", "compiled", "generate-compiled")  # plus tree:N/D/K, auto:N/D/K, batch:B[xN]
 RENAMED = {"fixed": "graph"}  # old method names, still accepted with a notice
 PLD_TOKENS = 10
 
@@ -19,7 +19,7 @@ def parse_tree_spec(name: str) -> tuple[int, int, int] | None:
     return tuple(int(g) for g in m.groups()) if m else None
 
 
-def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=None) -> dict[str, tuple[Decoder, bool]]:
+def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=None, batch_size: int | None = None) -> dict[str, tuple[Decoder, bool]]:
     """name -> (decoder, speculative?) for a comparison: vanilla HF generate, EAGLE-2, and extra baselines:
     pld (HF prompt lookup, 10 tokens), sps (HF assisted generation with `assistant_model`), static/chain
     (our EAGLE-1 tree and chain draft shapes with the same head), tree:N/D/K (the dynamic tree with another
@@ -29,7 +29,8 @@ def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=Non
     methods: dict[str, tuple[Decoder, bool]] = {}
     if vanilla:
         methods["vanilla"] = (runtime.vanilla(), False)
-    methods["eagle2"] = (runtime.eagle(record_confidence=True), True)
+    # --batch-size N: the eagle2 row is the batched decoder at N sequences (the tree chosen by cost)
+    methods["eagle2"] = (BatchedEagle(runtime, batch_size) if batch_size else runtime.eagle(record_confidence=True), True)
     constant_tree = runtime.constant_tree or runtime.tree
     for name in against:
         if name == "pld":
@@ -53,6 +54,62 @@ def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=Non
                                        budget="auto" if name.startswith("auto:") else "constant")
             tree.validate()
             methods[name] = (runtime.eagle(tree, record_confidence=True), True)
+        elif (bspec := parse_batch_spec(name)) is not None:  # eagle2 batched: batch:auto, batch:B, batch:BxN (N = 1: plain)
+            methods[name] = (BatchedEagle(runtime, *bspec), True)
         else:
-            raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}, tree:N/D/K or auto:N/D/K")
+            raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}, tree:N/D/K, auto:N/D/K or batch:B[xN]")
     return methods
+
+
+def share_wall(summaries: list, wall: float) -> None:
+    """Batched methods answer all prompts in one run: each summary gets the run's wall time in
+    proportion to its tokens, so a method's tokens/s is its total tokens over the run's time."""
+    total = sum(s.new_tokens for s in summaries) or len(summaries) or 1
+    for s in summaries:
+        s.wall_s = wall * (s.new_tokens or (0 if sum(x.new_tokens for x in summaries) else 1)) / total
+
+
+class BatchedEagle:
+    """eagle2's batched decoder as a comparison method (`compare --batch-size N`, `--against batch:...`):
+    the whole prompt list through `Runtime.batch_decoder`, continuous batching included.
+    `batch`/`tree` None: chosen from this machine's measured costs."""
+
+    speculative = True
+
+    def __init__(self, runtime, batch: int | None = None, tree: int | None = None):
+        self.runtime, self.batch, self.tree_tokens = runtime, batch, tree
+        self.plan: dict = {}
+        self.stats: dict = {}
+
+    def generate(self, ids, gen):
+        return self.generate_many([ids], [gen])[0]
+
+    def generate_many(self, ids_list: list[list[int]], gens: list) -> list:
+        import collections
+        import time
+
+        from .batched import Request
+
+        dec, self.plan = self.runtime.batch_decoder(len(ids_list), self.batch, self.tree_tokens)
+        out = {}
+        t0 = time.perf_counter()
+        if dec is None:  # batch 1 with a tree: the per-prompt decoder
+            d = self.runtime.eagle(record_confidence=True)
+            for i, (ids, g) in enumerate(zip(ids_list, gens)):
+                out[i] = d.generate(ids, g)
+        else:
+            dec.run(collections.deque(Request(i, ids, g) for i, (ids, g) in enumerate(zip(ids_list, gens))),
+                    lambda k, toks, s: out.__setitem__(k, (toks, s)))
+            self.stats = dec.stats
+        wall = time.perf_counter() - t0
+        res = [out[i] for i in range(len(ids_list))]
+        share_wall([s for _, s in res], wall)
+        return res
+
+
+def parse_batch_spec(name: str) -> tuple[int | None, int | None] | None:
+    """`batch:auto` -> (None, None); `batch:8` -> (8, None); `batch:8x1` -> (8, 1); None if not a batch spec."""
+    m = re.fullmatch(r"batch:(auto|\d+)(?:x(\d+))?", name)
+    if not m:
+        return None
+    return (None if m.group(1) == "auto" else int(m.group(1))), (int(m.group(2)) if m.group(2) else None)

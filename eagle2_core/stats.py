@@ -46,6 +46,7 @@ class MethodRun:
     outputs: list[list[int]] = field(default_factory=list)
     speculative: bool = True      # False for plain HF generate (no tau/acceptance)
     ops_per_cycle: dict | None = None  # aten ops dispatched per steady-state cycle (opcount.py)
+    plan: dict | None = None      # a batched method's batch size and tree size, and the estimates they came from
 
     @property
     def total(self) -> Summary:
@@ -162,6 +163,8 @@ class Comparison:
                 d["calibration_gap"] = tot.calibration_gap
             if run.ops_per_cycle:
                 d["ops_per_cycle"] = run.ops_per_cycle
+        if run.plan:
+            d["batch_plan"] = run.plan
         if name != self.baseline:
             sp, mean = self.speedup(name), self.mean_speedup(name)
             d.update(speedup=None if sp is None else round(sp, 4), speedup_mean_ratio=None if mean is None else round(mean, 4),

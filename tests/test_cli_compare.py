@@ -101,3 +101,25 @@ def test_compare_graph_mode_and_compiled_generate(tmp_path, tiny_model_dir, tiny
     e, f = d["eagle2"]["ops_per_cycle"], d["graph"]["ops_per_cycle"]
     assert f["host_reads"] == 0 < e["host_reads"] and f["draft"] > 0 and f["verify"] > 0
     assert "ops_per_cycle" not in d["vanilla"] and "tau" not in d["generate-compiled"]
+
+
+def test_compare_batched_rows(tmp_path, tiny_model_dir, tiny_head_dir):
+    """--batch-size and --against batch:...: batched rows beside batch-1 vanilla, identical counts against it."""
+    import json as _json
+
+    from click.testing import CliRunner
+
+    from eagle2_cli.main import cli
+
+    js = tmp_path / "c.json"
+    r = CliRunner().invoke(cli, ["compare", "--model", tiny_model_dir, "--draft", tiny_head_dir, "--device", "cpu", "-n", "6",
+                                 "--limit", "4", "--batch-size", "3", "--against", "batch:2x1,batch:4x3", "--json", str(js)])
+    assert r.exit_code == 0, r.output + str(r.exception)
+    assert "batch 3" in r.output and "batch 2, plain" in r.output and "batch 4, tree 3" in r.output
+    d = _json.loads(js.read_text())
+    methods = d["methods"] if "methods" in d else d
+    rows = {k: v for k, v in methods.items() if isinstance(v, dict) and "batch_plan" in v}
+    assert set(rows) >= {"eagle2", "batch:2x1", "batch:4x3"}
+    assert rows["batch:2x1"]["batch_plan"]["tree_tokens"] == 1
+    for name in rows:
+        assert methods[name]["identical"] == 4, (name, methods[name])
