@@ -580,6 +580,7 @@ class BatchDecoder:
         from .target import model_eos_ids
 
         run_max = TargetRunner(self.model).max_positions
+        default_eos = self.eos_ids or model_eos_ids(self.model, self.tokenizer)  # once: the tokenizer's vocabulary is slow to read
         longest = max((len(r.ids) + r.gen.max_new_tokens for r in queue), default=64)
         cycle = BatchCycle(self.model, self.head, self.tokenizer, self.batch, self.tree_tokens, self.depth, self.top_k,
                            capacity=min(run_max, longest), choose_n=self.planner.choose_n if self.planner and self.tree_tokens > 1 else None)
@@ -595,7 +596,7 @@ class BatchDecoder:
                     if not queue:
                         break
                     req = queue.popleft()
-                    eos = set(req.gen.eos_token_ids) if req.gen.eos_token_ids is not None else (self.eos_ids or model_eos_ids(self.model, self.tokenizer))
+                    eos = set(req.gen.eos_token_ids) if req.gen.eos_token_ids is not None else default_eos
                     stop = StopChecker(req.gen, self.tokenizer, eos, run_max, len(req.ids))
                     summary = Summary(prompt_tokens=len(req.ids))
                     slot = new_slot(req.key, req.gen, stop, summary)
