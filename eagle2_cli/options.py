@@ -77,6 +77,19 @@ def quiet_transformers() -> None:
     hub_logging.set_verbosity_error()  # no "Retrying in 8s" lines before our own error when offline
 
 
+class FiniteFloat(click.FloatRange):
+    """A FloatRange that also refuses nan and inf (comparisons with nan are all false, so
+    FloatRange alone lets `--temperature nan` through to the sampler)."""
+
+    def convert(self, value, param, ctx):
+        import math
+
+        v = super().convert(value, param, ctx)
+        if not math.isfinite(v):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return v
+
+
 class TreeSize(click.ParamType):
     """An int >= 2, or `auto` (the per-cycle budget of eagle2_core/budget.py)."""
 
@@ -108,11 +121,11 @@ def _options(max_new_tokens: int):
         o("--load-in-8bit", is_flag=True, help="Quantize the target with bitsandbytes (8-bit)."),
         o("--load-in-4bit", is_flag=True, help="Quantize the target with bitsandbytes (4-bit)."),
         o("--trust-remote-code", is_flag=True, help="Allow custom modelling code from the hub."),
-        o("--temperature", "-t", type=click.FloatRange(min=0), default=0.0, show_default=True, help="Sampling temperature; 0 = greedy."),
-        o("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True, help="Nucleus sampling."),
+        o("--temperature", "-t", type=FiniteFloat(min=0), default=0.0, show_default=True, help="Sampling temperature; 0 = greedy."),
+        o("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0, show_default=True, help="Nucleus sampling."),
         o("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="Top-k sampling; 0 = off."),
         o("--max-new-tokens", "-n", type=click.IntRange(min=0), default=max_new_tokens, show_default=True, help="Token budget per answer."),
-        o("--seed", type=int, default=None, help="Random seed for sampling."),
+        o("--seed", type=click.IntRange(-(2**63), 2**64 - 1), default=None, help="Random seed for sampling."),
         o("--total-tokens", type=TreeSize(), default=None, metavar="N|auto",
           help="Draft tree size incl. root [CPU 4, CPU bf16 10, GPU 60]; auto: chosen every cycle from the draft's "
                "confidence and this machine's measured costs, up to 16 on CPU, 60 on GPU."),

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from dataclasses import dataclass, field
 
 from .treesettings import TreeSettings
 from .events import GenerationSettings, StepEvent, Summary
+from .prompts import SEED_MAX, SEED_MIN
 
 # /set keys: name -> (target object, field, type). "gen" = GenerationSettings, "tree" = TreeSettings.
 SETTINGS = {
@@ -51,6 +53,10 @@ def apply_setting(gen: GenerationSettings, tree: TreeSettings, assignment: str, 
             value = typ(raw_val)
         except ValueError:
             raise ValueError(f"{key} must be {'an integer' if typ is int else 'a number' if typ is float else 'text'}, not {raw_val!r}") from None
+    if typ is float and not math.isfinite(value):
+        raise ValueError(f"{key} must be a finite number, not {raw_val!r}")
+    if key == "seed" and value is not None and not SEED_MIN <= value <= SEED_MAX:
+        raise ValueError(f"seed must be from {SEED_MIN} to {SEED_MAX}")
     if key == "temperature" and value < 0:
         raise ValueError("temperature must be >= 0 (0 = greedy)")
     if key == "top_p" and not 0 < value <= 1:

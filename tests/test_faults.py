@@ -33,6 +33,15 @@ def one_line(r, code: int = 2) -> str:
     return lines[0]
 
 
+def usage_error(r) -> str:
+    """Click's usage error: exit 2, the usage lines, then one `Error:` line; no traceback."""
+    assert r.exit_code == 2, (r.exit_code, r.output, r.stderr)
+    assert "Traceback" not in r.output + r.stderr
+    last = [x for x in r.stderr.splitlines() if x.strip()][-1]
+    assert last.startswith("Error: Invalid value"), r.stderr
+    return last
+
+
 @pytest.fixture()
 def holder(tmp_path):
     """A second process holding the lock of tmp_path/out.jsonl until killed."""
@@ -91,3 +100,71 @@ def test_generate_refuses_a_locked_output_in_one_line(holder, tmp_path, tiny_mod
                                  "--device", "cpu"])
     assert r.exit_code == 0, r.output
     assert len([x for x in open(out) if x.strip()]) == 3 and not os.path.exists(lock_path(out))
+
+
+# -- part 6: every option and input ends in one line, never a traceback ---------------------
+def chat(tiny_model_dir, tiny_head_dir, *args):
+    return CliRunner().invoke(cli, ["chat", "--prompt", "x", "-n", "2", "--no-calibrate", "--model", tiny_model_dir,
+                                    "--draft", tiny_head_dir, *args])
+
+
+@pytest.mark.parametrize("device, says", [("cuda", "no CUDA device"), ("cuda:7", "CUDA"), ("banana", "unknown device"),
+                                          ("cuda:x", "unknown device"), ("mps", "MPS")])
+def test_a_device_the_machine_lacks_is_one_line(tiny_model_dir, tiny_head_dir, device, says):
+    import torch
+
+    if device.startswith("cuda") and device != "cuda:x" and torch.cuda.is_available() and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has the device")
+    if device == "mps" and torch.backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    line = one_line(chat(tiny_model_dir, tiny_head_dir, "--device", device))
+    assert says in line and device in line
+
+
+def test_a_template_that_renders_nothing_is_one_line(tmp_path, tiny_model_dir, tiny_head_dir):
+    tpl = tmp_path / "nothing.jinja"
+    tpl.write_text("{% for m in messages %}{% endfor %}")
+    assert "rendered no tokens" in one_line(chat(tiny_model_dir, tiny_head_dir, "--chat-template", str(tpl)))
+
+
+def test_an_empty_template_file_is_refused_not_replaced(tmp_path, tiny_model_dir, tiny_head_dir):
+    tpl = tmp_path / "empty.jinja"
+    tpl.write_text("\n")
+    line = one_line(chat(tiny_model_dir, tiny_head_dir, "--chat-template", str(tpl)))
+    assert str(tpl) in line and "empty" in line
+
+
+@pytest.mark.parametrize("args, says", [(["--seed", str(2**64)], "--seed"), (["--temperature", "nan"], "finite"),
+                                        (["--temperature", "inf"], "finite"), (["--top-p", "nan"], "finite")])
+def test_out_of_range_options_are_usage_errors(tiny_model_dir, tiny_head_dir, args, says):
+    assert says in usage_error(chat(tiny_model_dir, tiny_head_dir, *args))
+
+
+@pytest.mark.parametrize("args", [["--epochs", "0"], ["--lr", "nan"], ["--lr", "0"], ["--batch-tokens", "0"], ["--ttt-steps", "0"],
+                                  ["--draft-vocab", "-1"], ["--time-budget", "-1"], ["--distill-batch", "0"], ["--max-len", "1"]])
+def test_train_numbers_out_of_range_are_usage_errors(tmp_path, args):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "hi"}\n')
+    r = CliRunner().invoke(cli, ["train", "-d", str(data), "-o", str(tmp_path / "h"), *args])
+    assert args[0] in usage_error(r)
+
+
+def test_nan_and_huge_seeds_in_input_lines_are_line_errors(tmp_path, tiny_model_dir, tiny_head_dir):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text('{"id": 1, "prompt": "hi", "temperature": NaN}\n{"id": 2, "prompt": "hi", "top_p": Infinity}\n'
+                   f'{{"id": 3, "prompt": "hi", "seed": {2**64}}}\n')
+    r = CliRunner().invoke(cli, ["generate", "-f", str(src), "-o", str(out), "--model", tiny_model_dir, "--draft", tiny_head_dir,
+                                 "--device", "cpu", "-n", "2"])
+    assert r.exit_code == 1 and "Traceback" not in r.output + r.stderr
+    recs = [json.loads(x) for x in open(out)]
+    assert [(x["id"], x["field"]) for x in recs] == [(1, "temperature"), (2, "top_p"), (3, "seed")]
+
+
+@pytest.mark.parametrize("assignment", ["temperature=nan", "temperature=inf", f"seed={2**64}"])
+def test_chat_set_refuses_what_the_options_refuse(assignment):
+    from eagle2_core.chat import apply_setting
+    from eagle2_core.drafter import TreeSettings
+    from eagle2_core.events import GenerationSettings
+
+    with pytest.raises(ValueError):
+        apply_setting(GenerationSettings(), TreeSettings(), assignment)
