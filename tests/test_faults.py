@@ -168,3 +168,19 @@ def test_chat_set_refuses_what_the_options_refuse(assignment):
 
     with pytest.raises(ValueError):
         apply_setting(GenerationSettings(), TreeSettings(), assignment)
+
+
+# -- part 2: a launcher's process group that cannot form stops the run -----------------------
+def test_world_size_without_a_group_fails_instead_of_training_alone(monkeypatch):
+    from eagle2_core.train import parallel
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(parallel.ProcessGroupError, match="WORLD_SIZE=2 .*could not be formed.*MASTER_ADDR"):
+        parallel.world("cpu")
+    monkeypatch.setattr(parallel.dist, "is_available", lambda: False)
+    with pytest.raises(parallel.ProcessGroupError, match="no torch.distributed"):
+        parallel.world("cpu")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert parallel.world("cpu").size == 1
