@@ -33,9 +33,12 @@ def _key(k: str) -> str:
     return ALIASES.get(k, k)
 
 
-def apply_setting(gen: GenerationSettings, tree: TreeSettings, assignment: str, auto_max: int = 16) -> tuple[GenerationSettings, TreeSettings, str]:
+def apply_setting(gen: GenerationSettings, tree: TreeSettings, assignment: str, auto_max: int = 16,
+                  auto_tree: TreeSettings | None = None) -> tuple[GenerationSettings, TreeSettings, str]:
     """Parse `key=value` and return updated copies plus the canonical key; ValueError with a clear message.
-    `total_tokens=auto` turns on the per-cycle budget (budget.py) with up to `auto_max` nodes."""
+    `total_tokens=auto` turns on the per-cycle budget (budget.py) with up to `auto_max` nodes, with
+    the depth and expansion width of `auto_tree` (the settings `--total-tokens auto` would run:
+    measured on a CPU, runtime.Runtime.load) where given."""
     if "=" not in assignment:
         raise ValueError(f"expected key=value, got {assignment!r}; keys: {', '.join(SETTINGS)}")
     raw_key, raw_val = assignment.split("=", 1)
@@ -47,7 +50,8 @@ def apply_setting(gen: GenerationSettings, tree: TreeSettings, assignment: str, 
     if key == "seed" and raw_val.lower() in ("none", "off", ""):
         value = None
     elif key == "total_tokens" and raw_val.lower() == "auto":
-        return gen, dataclasses.replace(tree, budget="auto", shape="dynamic", total_tokens=max(auto_max, tree.total_tokens)), key
+        expansion = {"depth": auto_tree.depth, "top_k": auto_tree.top_k} if auto_tree is not None else {}
+        return gen, dataclasses.replace(tree, budget="auto", shape="dynamic", total_tokens=max(auto_max, tree.total_tokens), **expansion), key
     else:
         try:
             value = typ(raw_val)

@@ -184,3 +184,22 @@ def test_world_size_without_a_group_fails_instead_of_training_alone(monkeypatch)
         parallel.world("cpu")
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert parallel.world("cpu").size == 1
+
+
+def test_chat_set_auto_takes_the_expansion_total_tokens_auto_takes(tiny_model_dir, tiny_head_dir):
+    """`/set total_tokens=auto` in a chat started with a fixed tree runs what `--total-tokens auto`
+    runs: the measured expansion width and the auto depth, not the fixed tree's."""
+    import io
+
+    from rich.console import Console
+
+    from eagle2_cli.chat_cmd import ChatApp
+    from eagle2_core.runtime import Runtime
+
+    rt = Runtime.load(tiny_model_dir, tiny_head_dir, device="cpu", tree={"total_tokens": 5})
+    want = Runtime.load(tiny_model_dir, tiny_head_dir, device="cpu", tree={"total_tokens": "auto"}).tree
+    app = ChatApp(rt, Console(file=io.StringIO()), Console(file=io.StringIO()))
+    app.handle("/set depth=1 tree_top_k=1")
+    assert rt.tree.budget == "fixed" and (rt.tree.depth, rt.tree.top_k) == (1, 1) != (want.depth, want.top_k)
+    app.handle("/set total_tokens=auto")
+    assert (rt.tree.budget, rt.tree.depth, rt.tree.top_k, rt.tree.total_tokens) == (want.budget, want.depth, want.top_k, want.total_tokens)
