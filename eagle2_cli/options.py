@@ -58,6 +58,8 @@ class CommonOptions:
                               trust_remote_code=self.trust_remote_code, tree=self.tree_overrides(),
                               gen=self.generation(), system_prompt=self.system_prompt, chat_template=template,
                               need_head=need_head, compile=self.compile)
+        for line in rt.notices if console is not None else ():
+            console.print(f"[yellow]note:[/] {line}", markup=True, highlight=False, soft_wrap=True)
         if need_head and rt.head_is_random and console is not None:
             console.print("[yellow]warning:[/] --draft random: an untrained draft head; output is still exact, but expect no speedup")
         return rt

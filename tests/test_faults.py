@@ -104,7 +104,7 @@ def test_generate_refuses_a_locked_output_in_one_line(holder, tmp_path, tiny_mod
 
 # -- part 6: every option and input ends in one line, never a traceback ---------------------
 def chat(tiny_model_dir, tiny_head_dir, *args):
-    return CliRunner().invoke(cli, ["chat", "--prompt", "x", "-n", "2", "--no-calibrate", "--model", tiny_model_dir,
+    return CliRunner().invoke(cli, ["chat", "--prompt", "x", "-n", "2", "--no-baseline", "--model", tiny_model_dir,
                                     "--draft", tiny_head_dir, *args])
 
 
@@ -200,6 +200,45 @@ def test_chat_set_auto_takes_the_expansion_total_tokens_auto_takes(tiny_model_di
     want = Runtime.load(tiny_model_dir, tiny_head_dir, device="cpu", tree={"total_tokens": "auto"}).tree
     app = ChatApp(rt, Console(file=io.StringIO()), Console(file=io.StringIO()))
     app.handle("/set depth=1 tree_top_k=1")
-    assert rt.tree.budget == "fixed" and (rt.tree.depth, rt.tree.top_k) == (1, 1) != (want.depth, want.top_k)
+    assert rt.tree.budget == "constant" and (rt.tree.depth, rt.tree.top_k) == (1, 1) != (want.depth, want.top_k)
     app.handle("/set total_tokens=auto")
     assert (rt.tree.budget, rt.tree.depth, rt.tree.top_k, rt.tree.total_tokens) == (want.budget, want.depth, want.top_k, want.total_tokens)
+
+
+# -- part 2: no silent fallbacks -------------------------------------------------------------
+@pytest.mark.parametrize("args, says", [(["--total-tokens", "auto"], "per-cycle budget"), (["--draft-shape", "static"], "static draft shape"),
+                                        (["--draft-shape", "chain"], "chain draft shape")])
+def test_compile_on_a_tree_it_cannot_capture_says_so_once(tiny_model_dir, tiny_head_dir, args, says):
+    r = chat(tiny_model_dir, tiny_head_dir, "--device", "cpu", "--compile", *args)
+    assert r.exit_code == 0, r.output
+    notes = [x for x in r.stderr.splitlines() if x.startswith("note: --compile")]
+    assert len(notes) == 1 and says in notes[0] and "uncaptured" in notes[0]
+
+
+def test_compile_on_a_capturable_tree_has_no_notice(tiny_model_dir, tiny_head_dir, monkeypatch):
+    from eagle2_core.runtime import Runtime
+
+    rt = Runtime.load(tiny_model_dir, tiny_head_dir, device="cpu", tree={"total_tokens": 4}, compile=True)
+    assert rt.compile == "inductor" and rt.notices == []
+
+
+def test_a_capture_failure_is_reported_as_what_ran(tmp_path, tiny_model_dir, tiny_head_dir, monkeypatch):
+    """A cycle whose capture fails runs uncaptured: compare's JSON and table say so, not 'compiled'."""
+    from eagle2_core import graphcycle
+
+    def broken(fn, backend):
+        def run(*args):
+            raise RuntimeError("no C compiler found\nmore detail")
+        return run
+
+    monkeypatch.setattr(graphcycle, "_compile", broken)
+    out = tmp_path / "c.json"
+    with pytest.warns(UserWarning, match="capture failed \\(RuntimeError: no C compiler found\\); running the cycle uncaptured"):
+        r = CliRunner().invoke(cli, ["compare", "--no-vanilla", "--limit", "1", "-n", "4", "--warmup-tokens", "2", "--against", "compiled,graph",
+                                     "--total-tokens", "4", "--model", tiny_model_dir, "--draft", tiny_head_dir, "--device", "cpu",
+                                     "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    comp = json.loads(out.read_text())
+    assert comp["compiled"]["backend_used"] == "eager (capture failed: RuntimeError: no C compiler found)"
+    assert comp["graph"]["backend_used"] == "eager" and comp["eagle2"]["backend_used"] == "eager"
+    assert "compiled (uncaptured)" in r.output
