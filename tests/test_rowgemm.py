@@ -76,6 +76,8 @@ def test_plan_from_measured_pairs():
     assert plan == rowgemm.RowPlan(body_one=False, body_max=4, wide_one=True, wide_max=4)
     assert row_plan({"body": body}) == rowgemm.RowPlan(False, 4, False, 4)  # no vocabulary-sized weight: the body's plan
     assert "2-4 rows" in plan.describe() and "1-4 rows" in plan.describe()
+    tie = {1: [33.4, 33.1], 2: [100.0, 40.0]}  # one row within noise of linear: linear stays
+    assert row_plan({"body": tie}).body_one is False
 
 
 def test_the_profile_measures_and_installs_the_plan(tiny_target, monkeypatch, tmp_path):
