@@ -71,6 +71,11 @@ def quiet_transformers() -> None:
 
     if os.environ.get("EAGLE2_DEBUG"):
         return
+    import warnings
+
+    # A warning that reaches the terminal (a capture that fell back, an unreadable cost profile)
+    # is one line, as our errors are: not the file, line number and source line of where it was raised.
+    warnings.formatwarning = lambda message, category, filename, lineno, line=None: f"warning: {message}\n"
     from huggingface_hub.utils import logging as hub_logging
     from transformers.utils import logging as hf_logging
 
