@@ -85,20 +85,22 @@ def test_the_lock_is_released_after_the_block(tmp_path):
         pass
 
 
-def test_generate_refuses_a_locked_output_in_one_line(holder, tmp_path, tiny_model_dir, tiny_head_dir):
+@pytest.mark.parametrize("batch", ["1", "2"])  # the per-prompt decoder and the batched one: the lock covers both
+def test_generate_refuses_a_locked_output_in_one_line(holder, tmp_path, tiny_model_dir, tiny_head_dir, batch):
     out, p = holder
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(json.dumps({"id": i, "prompt": "Hi", "max_new_tokens": 2}) for i in range(3)) + "\n")
-    r = CliRunner().invoke(cli, ["generate", "-f", str(src), "-o", out, "--model", tiny_model_dir, "--draft", tiny_head_dir,
-                                 "--device", "cpu"])
+    args = ["generate", "-f", str(src), "-o", out, "--model", tiny_model_dir, "--draft", tiny_head_dir, "--device", "cpu",
+            "--total-tokens", "4", "--batch-size", batch]
+    r = CliRunner().invoke(cli, args)
     line = one_line(r, code=1)
     assert out in line and str(p.pid) in line
     assert not os.path.exists(out) or not open(out).read()  # nothing was answered into it
     p.kill()
     p.wait()
-    r = CliRunner().invoke(cli, ["generate", "-f", str(src), "-o", out, "--model", tiny_model_dir, "--draft", tiny_head_dir,
-                                 "--device", "cpu"])
+    r = CliRunner().invoke(cli, args)
     assert r.exit_code == 0, r.output
+    assert ("batch of 2" in r.stderr) == (batch == "2")  # the path under test is the one that ran
     assert len([x for x in open(out) if x.strip()]) == 3 and not os.path.exists(lock_path(out))
 
 
@@ -187,8 +189,8 @@ def test_world_size_without_a_group_fails_instead_of_training_alone(monkeypatch)
 
 
 def test_chat_set_auto_takes_the_expansion_total_tokens_auto_takes(tiny_model_dir, tiny_head_dir):
-    """`/set total_tokens=auto` in a chat started with a fixed tree runs what `--total-tokens auto`
-    runs: the measured expansion width and the auto depth, not the fixed tree's."""
+    """`/set total_tokens=auto` in a chat started with a constant budget runs what `--total-tokens auto`
+    runs: the measured expansion width and the auto depth, not the constant tree's."""
     import io
 
     from rich.console import Console
@@ -234,11 +236,12 @@ def test_a_capture_failure_is_reported_as_what_ran(tmp_path, tiny_model_dir, tin
     monkeypatch.setattr(graphcycle, "_compile", broken)
     out = tmp_path / "c.json"
     with pytest.warns(UserWarning, match="capture failed \\(RuntimeError: no C compiler found\\); running the cycle uncaptured"):
-        r = CliRunner().invoke(cli, ["compare", "--no-vanilla", "--limit", "1", "-n", "4", "--warmup-tokens", "2", "--against", "compiled,graph",
+        r = CliRunner().invoke(cli, ["compare", "--no-vanilla", "--limit", "1", "-n", "4", "--warmup-tokens", "2", "--against", "compiled,graph,batch:2",
                                      "--total-tokens", "4", "--model", tiny_model_dir, "--draft", tiny_head_dir, "--device", "cpu",
                                      "--json", str(out)])
     assert r.exit_code == 0, r.output
     comp = json.loads(out.read_text())
     assert comp["compiled"]["backend_used"] == "eager (capture failed: RuntimeError: no C compiler found)"
     assert comp["graph"]["backend_used"] == "eager" and comp["eagle2"]["backend_used"] == "eager"
+    assert comp["batch:2"]["backend_used"] == "eager"  # the batched cycle is never captured
     assert "compiled (uncaptured)" in r.output
