@@ -173,7 +173,8 @@ class ChatApp:
                     if key in UI_FLAGS and "=" in a:
                         setattr(self, key, _bool(a.split("=", 1)[1]))
                     else:
-                        self.rt.gen, self.rt.tree, key = apply_setting(self.rt.gen, self.rt.tree, a, auto_max=self.rt.auto_max)
+                        self.rt.gen, self.rt.tree, key = apply_setting(self.rt.gen, self.rt.tree, a, auto_max=self.rt.auto_max,
+                                                                      auto_tree=self.rt.auto_tree)
                     err.print(f"{key} = {getattr(self, key) if key in UI_FLAGS else settings_view(self.rt.gen, self.rt.tree)[key]}", markup=False)
                 except ValueError as e:
                     error(err, str(e))

@@ -65,11 +65,16 @@ def generate(input_path, output_path, restart, no_progress, batch_size, common):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from eagle2_core.batch import OutputWriter, plan_resume, prepare_output, run_batched, run_item, run_pending
+    from eagle2_core.outputlock import OutputLocked, lock_output
     from eagle2_core.prompts import InputError, read_prompt_file
 
     from .ui import consoles, error
 
     out, err = consoles()
+    try:  # held until the command ends, so no two runs answer into one file
+        click.get_current_context().with_resource(lock_output(output_path))
+    except OutputLocked as e:
+        raise click.ClickException(str(e)) from None
     entries = list(read_prompt_file(input_path))  # raises FileNotFoundError -> one clean line
     done: set = set()
     if output_path != "-":

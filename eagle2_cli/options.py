@@ -58,6 +58,8 @@ class CommonOptions:
                               trust_remote_code=self.trust_remote_code, tree=self.tree_overrides(),
                               gen=self.generation(), system_prompt=self.system_prompt, chat_template=template,
                               need_head=need_head, compile=self.compile)
+        for line in rt.notices if console is not None else ():
+            console.print(f"[yellow]note:[/] {line}", markup=True, highlight=False, soft_wrap=True)
         if need_head and rt.head_is_random and console is not None:
             console.print("[yellow]warning:[/] --draft random: an untrained draft head; output is still exact, but expect no speedup")
         return rt
@@ -69,12 +71,30 @@ def quiet_transformers() -> None:
 
     if os.environ.get("EAGLE2_DEBUG"):
         return
+    import warnings
+
+    # A warning that reaches the terminal (a capture that fell back, an unreadable cost profile)
+    # is one line, as our errors are: not the file, line number and source line of where it was raised.
+    warnings.formatwarning = lambda message, category, filename, lineno, line=None: f"warning: {message}\n"
     from huggingface_hub.utils import logging as hub_logging
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     hub_logging.set_verbosity_error()  # no "Retrying in 8s" lines before our own error when offline
+
+
+class FiniteFloat(click.FloatRange):
+    """A FloatRange that also refuses nan and inf (comparisons with nan are all false, so
+    FloatRange alone lets `--temperature nan` through to the sampler)."""
+
+    def convert(self, value, param, ctx):
+        import math
+
+        v = super().convert(value, param, ctx)
+        if not math.isfinite(v):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return v
 
 
 class TreeSize(click.ParamType):
@@ -108,11 +128,11 @@ def _options(max_new_tokens: int):
         o("--load-in-8bit", is_flag=True, help="Quantize the target with bitsandbytes (8-bit)."),
         o("--load-in-4bit", is_flag=True, help="Quantize the target with bitsandbytes (4-bit)."),
         o("--trust-remote-code", is_flag=True, help="Allow custom modelling code from the hub."),
-        o("--temperature", "-t", type=click.FloatRange(min=0), default=0.0, show_default=True, help="Sampling temperature; 0 = greedy."),
-        o("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True, help="Nucleus sampling."),
+        o("--temperature", "-t", type=FiniteFloat(min=0), default=0.0, show_default=True, help="Sampling temperature; 0 = greedy."),
+        o("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0, show_default=True, help="Nucleus sampling."),
         o("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="Top-k sampling; 0 = off."),
         o("--max-new-tokens", "-n", type=click.IntRange(min=0), default=max_new_tokens, show_default=True, help="Token budget per answer."),
-        o("--seed", type=int, default=None, help="Random seed for sampling."),
+        o("--seed", type=click.IntRange(-(2**63), 2**64 - 1), default=None, help="Random seed for sampling."),
         o("--total-tokens", type=TreeSize(), default=None, metavar="N|auto",
           help="Draft tree size incl. root [CPU 4, CPU bf16 10, GPU 60]; auto: chosen every cycle from the draft's "
                "confidence and this machine's measured costs, up to 16 on CPU, 60 on GPU."),

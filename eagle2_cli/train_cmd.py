@@ -5,6 +5,8 @@ import os
 
 import click
 
+from .options import FiniteFloat
+
 
 @click.command("train")
 @click.option("--model", "-m", default=None, metavar="MODEL", help="Target: hub id, local folder or .gguf (default: the embedded SmolLM2).")
@@ -16,25 +18,25 @@ import click
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None, help="Features and checkpoints (default: OUTPUT.work).")
 @click.option("--resume", is_flag=True, help="Continue a stopped run from its work folder.")
 @click.option("--self-distill/--no-self-distill", default=True, show_default=True, help="Let the target answer the prompts itself.")
-@click.option("--distill-prompts", default=2000, show_default=True, help="How many prompts to self-distill.")
-@click.option("--distill-max-new-tokens", default=256, show_default=True)
-@click.option("--distill-batch", default=48, show_default=True, help="Prompts answered together (a GPU takes 256 or more).")
+@click.option("--distill-prompts", default=2000, type=click.IntRange(min=0), show_default=True, help="How many prompts to self-distill.")
+@click.option("--distill-max-new-tokens", default=256, type=click.IntRange(min=1), show_default=True)
+@click.option("--distill-batch", default=48, type=click.IntRange(min=1), show_default=True, help="Prompts answered together (a GPU takes 256 or more).")
 @click.option("--original/--no-original", default=True, show_default=True, help="Also train on the data's own assistant turns.")
-@click.option("--original-tokens", default=None, type=int, help="Extract features for at most this many tokens of the data's own turns.")
+@click.option("--original-tokens", default=None, type=click.IntRange(min=0), help="Extract features for at most this many tokens of the data's own turns.")
 @click.option("--mix", default="", metavar="SOURCE=W,...",
               help="Weight of each source per epoch, e.g. distill=1,original=0.5 (default 1 each; 0 leaves one out).")
 @click.option("--feature-dtype", default="bfloat16", show_default=True, type=click.Choice(["bfloat16", "float8"]),
               help="Storage of extracted features: float8 (e4m3, a scale per token) halves the disk (docs/training.md).")
 @click.option("--features-only", is_flag=True, help="Stop after feature extraction; the same command without it trains.")
-@click.option("--epochs", default=10, show_default=True)
-@click.option("--lr", default=5e-4, show_default=True)
-@click.option("--batch-tokens", default=2048, show_default=True)
-@click.option("--max-len", default=1024, show_default=True)
-@click.option("--ttt-steps", default=3, show_default=True, help="Training-time test steps (1 = plain EAGLE-1 training).")
-@click.option("--draft-vocab", default=16384, show_default=True, help="Pruned draft vocabulary size (0 = full).")
+@click.option("--epochs", default=10, type=click.IntRange(min=1), show_default=True)
+@click.option("--lr", default=5e-4, type=FiniteFloat(min=0, min_open=True), show_default=True)
+@click.option("--batch-tokens", default=2048, type=click.IntRange(min=1), show_default=True)
+@click.option("--max-len", default=1024, type=click.IntRange(min=2), show_default=True)
+@click.option("--ttt-steps", default=3, type=click.IntRange(min=1), show_default=True, help="Training-time test steps (1 = plain EAGLE-1 training).")
+@click.option("--draft-vocab", default=16384, type=click.IntRange(min=0), show_default=True, help="Pruned draft vocabulary size (0 = full).")
 @click.option("--init-head", type=click.Path(exists=True, file_okay=False), default=None,
               help="Start from this head's weights (warm start, e.g. to go on with more data).")
-@click.option("--time-budget", default=None, type=float, help="Stop training after this many minutes (a checkpoint is kept).")
+@click.option("--time-budget", default=None, type=FiniteFloat(min=0, min_open=True), help="Stop training after this many minutes (a checkpoint is kept).")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16", "float16"]))
 @click.option("--device", default="auto", show_default=True)
 @click.option("--trust-remote-code", is_flag=True)

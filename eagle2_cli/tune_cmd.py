@@ -44,6 +44,14 @@ def tune(batch, json_path, common):
         out.print("lm_head ms by rows: " + ", ".join(f"{k}: {v:.2f}" for k, v in sorted(prof.lm_head_ms.items()))
                   + f"  -> greedy acceptance puts {'all tree rows in one product' if prof.rows_are_cheap(rt.tree.total_tokens) else 'internal rows first, then the leaf'}",
                   highlight=False)
+    if prof.row_products:
+        from eagle2_core.costs import row_plan
+
+        for cls, label in (("body", "body-sized weights"), ("wide", "lm_head")):
+            if prof.row_products.get(cls):
+                out.print(f"{label} ms by rows, linear / W @ x.T: "
+                          + ", ".join(f"{n}: {a:.2f} / {b:.2f}" for n, (a, b) in sorted(prof.row_products[cls].items())), highlight=False)
+        out.print(f"few-row products take W @ x.T for {row_plan(prof.row_products).describe()}", highlight=False)
     data = prof.to_json()
     if batch:
         from eagle2_core.batched import plan, prior_expected

@@ -127,6 +127,8 @@ def compare_table(comp, title: str) -> Table:
         sp, mean, same = comp.speedup(name), comp.mean_speedup(name), comp.identical(name)
         base = name == comp.baseline
         label = name
+        if (run.backend_used or "").startswith("eager (capture failed"):
+            label += " (uncaptured)"
         if run.plan:  # a batched method: what it ran as
             tree = run.plan.get("tree_tokens")
             label += f" (batch {run.plan.get('batch_size')}, " + ("plain" if tree == 1 else f"tree {tree}") + ")"

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from dataclasses import dataclass, field
 
 from .treesettings import TreeSettings
 from .events import GenerationSettings, StepEvent, Summary
+from .prompts import SEED_MAX, SEED_MIN
 
 # /set keys: name -> (target object, field, type). "gen" = GenerationSettings, "tree" = TreeSettings.
 SETTINGS = {
@@ -31,9 +33,12 @@ def _key(k: str) -> str:
     return ALIASES.get(k, k)
 
 
-def apply_setting(gen: GenerationSettings, tree: TreeSettings, assignment: str, auto_max: int = 16) -> tuple[GenerationSettings, TreeSettings, str]:
+def apply_setting(gen: GenerationSettings, tree: TreeSettings, assignment: str, auto_max: int = 16,
+                  auto_tree: TreeSettings | None = None) -> tuple[GenerationSettings, TreeSettings, str]:
     """Parse `key=value` and return updated copies plus the canonical key; ValueError with a clear message.
-    `total_tokens=auto` turns on the per-cycle budget (budget.py) with up to `auto_max` nodes."""
+    `total_tokens=auto` turns on the per-cycle budget (budget.py) with up to `auto_max` nodes, with
+    the depth and expansion width of `auto_tree` (the settings `--total-tokens auto` would run:
+    measured on a CPU, runtime.Runtime.load) where given."""
     if "=" not in assignment:
         raise ValueError(f"expected key=value, got {assignment!r}; keys: {', '.join(SETTINGS)}")
     raw_key, raw_val = assignment.split("=", 1)
@@ -45,12 +50,17 @@ def apply_setting(gen: GenerationSettings, tree: TreeSettings, assignment: str, 
     if key == "seed" and raw_val.lower() in ("none", "off", ""):
         value = None
     elif key == "total_tokens" and raw_val.lower() == "auto":
-        return gen, dataclasses.replace(tree, budget="auto", shape="dynamic", total_tokens=max(auto_max, tree.total_tokens)), key
+        expansion = {"depth": auto_tree.depth, "top_k": auto_tree.top_k} if auto_tree is not None else {}
+        return gen, dataclasses.replace(tree, budget="auto", shape="dynamic", total_tokens=max(auto_max, tree.total_tokens), **expansion), key
     else:
         try:
             value = typ(raw_val)
         except ValueError:
             raise ValueError(f"{key} must be {'an integer' if typ is int else 'a number' if typ is float else 'text'}, not {raw_val!r}") from None
+    if typ is float and not math.isfinite(value):
+        raise ValueError(f"{key} must be a finite number, not {raw_val!r}")
+    if key == "seed" and value is not None and not SEED_MIN <= value <= SEED_MAX:
+        raise ValueError(f"seed must be from {SEED_MIN} to {SEED_MAX}")
     if key == "temperature" and value < 0:
         raise ValueError("temperature must be >= 0 (0 = greedy)")
     if key == "top_p" and not 0 < value <= 1:

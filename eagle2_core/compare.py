@@ -55,10 +55,23 @@ def run_comparison(methods: dict[str, tuple[Decoder, bool]], items: list[PromptI
             runs[name].outputs.append(tokens)
             runs[name].summaries.append(summary)
         runs[name].plan = getattr(dec, "plan", None)
+    for name, (dec, _) in methods.items():
+        runs[name].backend_used = backend_used(dec)
     if encoded and not gen.temperature:
         for name, (dec, spec) in methods.items():
             runs[name].ops_per_cycle = ops_per_cycle(dec, encoded[0], gen) if spec else None
     return Comparison(items, runs, gen, baseline, settings or {})
+
+
+def backend_used(dec) -> str | None:
+    """What actually ran a speculative decoder's cycles: its torch.compile backend ("inductor",
+    "cuda-graphs"), "eager", or "eager (capture failed: ...)" when graphcycle.py fell back; None for
+    decoders that are not ours (plain `generate`)."""
+    if not hasattr(dec, "capture_failure"):
+        return None
+    if dec.capture_failure:
+        return f"eager (capture failed: {dec.capture_failure})"
+    return dec.compile or "eager"
 
 
 def ops_per_cycle(dec, ids: list[int], gen: GenerationSettings, cycles: int = 4) -> dict | None:

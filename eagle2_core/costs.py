@@ -15,14 +15,18 @@ import warnings
 from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.nn.functional as F
+
+from . import rowgemm
 
 # Every small size: row counts of one parity can cost more than the next larger one (oneDNN's
 # few-row kernels measured 3 rows dearer than 4 and 7 dearer than 8 on an AVX2 Zen 3).
 VERIFY_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64)
 DRAFT_ROWS = (1, 2, 4, 8, 10)
 LM_HEAD_ROWS = (1, 2, 4, 8, 16, 32, 64)
-PROFILE_VERSION = 3  # 2: lm_head alone by rows (decides greedy acceptance's lm_head plan and the default tree);
-                     # 3: every size to 8, timed in interleaved rounds (median), so drift hits all sizes alike
+PROFILE_VERSION = 4  # 2: lm_head alone by rows (decides greedy acceptance's lm_head plan and the default tree);
+                     # 3: every size to 8, timed in interleaved rounds (median), so drift hits all sizes alike;
+                     # 4: rowgemm's few-row products against linear by rows (row_products), measured first
 CONTEXT = 64  # committed tokens in the cache while measuring: a typical short prompt
 
 
@@ -32,6 +36,7 @@ class CostProfile:
     verify_ms: dict[int, float]             # rows -> ms of one target forward over that many tree rows
     draft_ms: dict[int, float]              # rows -> ms of one draft step over that many nodes
     lm_head_ms: dict[int, float] = field(default_factory=dict)  # rows -> ms of the target's lm_head alone
+    row_products: dict = field(default_factory=dict)  # {"body"|"wide": {rows: [linear ms, transposed ms]}} (rowgemm)
     measured_at: float = field(default_factory=time.time)
 
     def verify_table(self, n_max: int) -> torch.Tensor:
@@ -70,13 +75,15 @@ class CostProfile:
         d["verify_ms"] = {str(k): round(v, 3) for k, v in self.verify_ms.items()}
         d["draft_ms"] = {str(k): round(v, 3) for k, v in self.draft_ms.items()}
         d["lm_head_ms"] = {str(k): round(v, 3) for k, v in self.lm_head_ms.items()}
+        d["row_products"] = {c: {str(k): [round(a, 3), round(b, 3)] for k, (a, b) in v.items()} for c, v in self.row_products.items()}
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> "CostProfile":
         return cls(key=d["key"], verify_ms={int(k): float(v) for k, v in d["verify_ms"].items()},
                    draft_ms={int(k): float(v) for k, v in d["draft_ms"].items()},
-                   lm_head_ms={int(k): float(v) for k, v in d.get("lm_head_ms", {}).items()}, measured_at=float(d.get("measured_at", 0)))
+                   lm_head_ms={int(k): float(v) for k, v in d.get("lm_head_ms", {}).items()}, measured_at=float(d.get("measured_at", 0)),
+                   row_products={c: {int(k): [float(a), float(b)] for k, (a, b) in v.items()} for c, v in d.get("row_products", {}).items()})
 
 
 def _table(points: dict[int, float], n_max: int) -> torch.Tensor:
@@ -151,6 +158,9 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
 
     run = TargetRunner(model)
     dev = run.device
+    # First where rowgemm's transposed product pays: every timing below runs under that plan.
+    row_products = measure_row_products(run, reps=reps)
+    rowgemm.install_plan(row_plan(row_products))
     # Stay inside the model's context: no position at or past max_position_embeddings is run
     # (a short-context model measures fewer tree sizes; the table extrapolates beyond them).
     context = min(CONTEXT, run.max_positions // 2)
@@ -193,7 +203,71 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
         return step
 
     draft = _timed({k: draft_fn(k) for k in draft_rows}, reps)
-    return CostProfile(key=profile_key(model, head), verify_ms=verify, draft_ms=draft, lm_head_ms=lm_head)
+    return CostProfile(key=profile_key(model, head), verify_ms=verify, draft_ms=draft, lm_head_ms=lm_head, row_products=row_products)
+
+
+# -- rowgemm's plan: where `W @ x.T` beats `linear`, by rows ----------------------------------
+ROW_TRIALS_BODY = (1, 2, 3, 4, 6, 8, 12, 16)      # body-sized weights: linear catches up within a tree's rows
+ROW_TRIALS_WIDE = (1, 2, 4, 8, 16, 32, 64)        # the lm_head: the transposed form was seen winning to 64
+BODY_SAMPLE_BYTES = 128 << 20  # body weights timed per product: past the caches, streamed as a forward streams them
+ROW_WIN = 0.97  # transposed counts as faster only below this share of linear's time: a tie (one row on the
+                # AVX-512 Zen 5 measured 33.1 vs 33.4 ms) stays with linear rather than flip with the noise
+
+
+def measure_row_products(run, reps: int = 5) -> dict:
+    """{"body"|"wide": {rows: [linear ms, transposed ms]}} for this machine and model: body-sized
+    weights as a run of the target's own linears (up to BODY_SAMPLE_BYTES of them, so the
+    product streams from memory as in a forward), vocabulary-sized as its lm_head. Empty where
+    rowgemm never applies (not float32, not a CPU). Timed in interleaved rounds like the rest."""
+    w_out = run.lm_head.weight
+    if w_out.device.type != "cpu" or w_out.dtype != torch.float32:
+        return {}
+    body, size = [], 0
+    for m in run.cpu_linears:
+        if m.weight.shape[0] < rowgemm.WIDE and size < BODY_SAMPLE_BYTES:
+            body.append(m.weight)
+            size += m.weight.numel() * 4
+    groups = {"body": (body, ROW_TRIALS_BODY)}
+    if w_out.shape[0] >= rowgemm.WIDE:
+        groups["wide"] = ([w_out], ROW_TRIALS_WIDE)
+    g = torch.Generator().manual_seed(0)
+    inputs = {n: torch.randn(max(ROW_TRIALS_WIDE), n, generator=g) for n in {w.shape[1] for ws, _ in groups.values() for w in ws}}
+    out = {}
+    with torch.no_grad():
+        for cls, (weights, trials) in groups.items():
+            if not weights:
+                continue
+            fns = {}
+            for n in trials:
+                fns[(n, 0)] = lambda n=n, ws=weights: [F.linear(inputs[w.shape[1]][:n], w) for w in ws]
+                fns[(n, 1)] = lambda n=n, ws=weights: [rowgemm.transposed_product(inputs[w.shape[1]][:n], w) for w in ws]
+            ms = _timed(fns, reps)
+            out[cls] = {n: [ms[(n, 0)], ms[(n, 1)]] for n in trials}
+    return out
+
+
+def row_plan(row_products: dict) -> rowgemm.RowPlan:
+    """The plan from measured (linear, transposed) pairs: one row transposed where that was
+    faster (by ROW_WIN), and 2 rows up to the last size of an unbroken run of transposed wins
+    from 2 (a size not measured between two wins counts as one). Vocabulary-sized weights follow
+    the body's plan where the target has none (a small vocabulary)."""
+    def wins(pair) -> bool:
+        return pair[1] < ROW_WIN * pair[0]
+
+    def plan(pairs: dict) -> tuple[bool, int]:
+        one = 1 in pairs and wins(pairs[1])
+        top = 0
+        for n in sorted(k for k in pairs if k >= 2):
+            if not wins(pairs[n]):
+                break
+            top = n
+        return one, top
+
+    if not row_products.get("body"):
+        return rowgemm.RowPlan()
+    body_one, body_max = plan(row_products["body"])
+    wide_one, wide_max = plan(row_products["wide"]) if row_products.get("wide") else (body_one, body_max)
+    return rowgemm.RowPlan(body_one, body_max, wide_one, wide_max)
 
 
 def _cache_path(key: dict) -> str:
@@ -212,6 +286,7 @@ def load_or_measure(model, head, remeasure: bool = False) -> CostProfile:
             with open(path) as f:
                 prof = CostProfile.from_json(json.load(f))
             if prof.key == key:
+                rowgemm.install_plan(row_plan(prof.row_products))
                 return prof
         except (OSError, ValueError, KeyError, TypeError) as e:
             warnings.warn(f"ignoring the unreadable cost profile {path} ({e}); measuring again", stacklevel=2)

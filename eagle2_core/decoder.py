@@ -40,6 +40,7 @@ class Eagle2Decoder:
         self.record_confidence = record_confidence  # bin nodes by confidence vs acceptance (compare asks; chat and generate need not)
         self.graph = graph or compile is not None
         self.compile = compile          # None, or a torch.compile backend ("inductor", "cudagraphs", "aot_eager")
+        self.capture_failure = None     # why capture was turned off (graphcycle.py), which also sets compile to None
         self._graph = None              # the GraphCycle (static buffers, captured functions), reused while it fits
         # Greedy acceptance's lm_head plan, from this machine's measured costs (once, here, not in a
         # cycle): all tree rows in one product where that costs no more than the two-pass plan (a

@@ -50,6 +50,7 @@ class GraphCycle:
 
     def __init__(self, dec, cap: int):
         run = dec.runner
+        self.dec = dec  # told when capture fails, so the decoder reports what really ran (compare's backend_used)
         self.run, self.head, self.settings = run, dec.head, dec.tree
         self.width = self.settings.depth + 1
         self.capacity = max(MIN_CAPACITY, 1 << (cap - 1).bit_length())
@@ -171,9 +172,13 @@ class GraphCycle:
         try:
             return fn(*args)
         except Exception as e:  # noqa: BLE001 - a capture failure falls back to the same functions uncaptured
-            warnings.warn(f"capture failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}); "
-                          "running the cycle uncaptured", stacklevel=2)
+            first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+            reason = f"{type(e).__name__}: {first}" if first else type(e).__name__
+            # Said once: capture is off for good, for this cycle and every later one of the decoder
+            # (a larger one built when the prompt outgrows these buffers would only fail again).
+            warnings.warn(f"capture failed ({reason}); running the cycle uncaptured", stacklevel=2)
             eager = self.verify_fn if fn is self._verify else self.draft_fn
             self.backend = None
+            self.dec.compile, self.dec.capture_failure = None, reason
             self._draft, self._verify = self.draft_fn, self.verify_fn
             return eager(*args)

@@ -70,12 +70,33 @@ def cache_dir() -> str:
 
 def pick_device(device: str = "auto") -> str:
     if device != "auto":
+        check_device(device)
         return device
     if torch.cuda.is_available():
         return "cuda"
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         return "mps"
     return "cpu"
+
+
+def check_device(device: str) -> None:
+    """LoadError in one line for a device this machine does not have, before any weights load
+    (torch would say it with an AssertionError from deep inside `.to()`)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise LoadError(f"unknown device {device!r}; use cpu, cuda, cuda:N, mps or auto") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise LoadError(f"--device {device}: this machine has no CUDA device (or torch was built without CUDA); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise LoadError(f"--device {device}: there {'is' if torch.cuda.device_count() == 1 else 'are'} only "
+                            f"{torch.cuda.device_count()} CUDA device(s), numbered from 0")
+    elif dev.type == "mps":
+        if getattr(torch.backends, "mps", None) is None or not torch.backends.mps.is_available():
+            raise LoadError(f"--device {device}: MPS (Apple GPU) is not available on this machine; use --device cpu")
+    elif dev.type != "cpu":
+        raise LoadError(f"unsupported device {device!r}; use cpu, cuda, cuda:N, mps or auto")
 
 
 def pick_dtype(dtype: str, device: str) -> torch.dtype:

@@ -80,6 +80,9 @@ class BatchedEagle:
         self.runtime, self.batch, self.tree_tokens = runtime, batch, tree
         self.plan: dict = {}
         self.stats: dict = {}
+        # What ran (compare's backend_used): the batched cycle is never captured; where the plan
+        # falls back to the per-prompt decoder, that decoder's own backend and capture failure.
+        self.compile, self.capture_failure = None, None
 
     def generate(self, ids, gen):
         return self.generate_many([ids], [gen])[0]
@@ -97,6 +100,7 @@ class BatchedEagle:
             d = self.runtime.eagle(record_confidence=True)
             for i, (ids, g) in enumerate(zip(ids_list, gens)):
                 out[i] = d.generate(ids, g)
+            self.compile, self.capture_failure = d.compile, d.capture_failure
         else:
             dec.run(collections.deque(Request(i, ids, g) for i, (ids, g) in enumerate(zip(ids_list, gens))),
                     lambda k, toks, s: out.__setitem__(k, (toks, s)))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch's generators accept
 OVERRIDE_FIELDS = ("max_new_tokens", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 
 
@@ -83,7 +85,8 @@ def _is_int(v) -> bool:
 
 
 def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite number: JSON lines may hold NaN and Infinity, which no sampling setting means."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _content_text(content, fld: str) -> str:
@@ -145,8 +148,8 @@ def parse_overrides(obj: dict, prefix: str = "") -> dict:
                 raise InputError(f"must be a non-negative integer, not {v!r}", field=f)
             out["top_k"] = v
         elif k == "seed":
-            if not _is_int(v):
-                raise InputError(f"must be an integer, not {v!r}", field=f)
+            if not _is_int(v) or not SEED_MIN <= v <= SEED_MAX:
+                raise InputError(f"must be an integer from {SEED_MIN} to {SEED_MAX}, not {v!r}", field=f)
             out["seed"] = v
         elif k == "stop":
             stops = [v] if isinstance(v, str) else v
@@ -289,6 +292,8 @@ def load_chat_template(path: str) -> str:
         if not isinstance(tpl, str):
             raise InputError("no chat_template string in this JSON file", path=path, field="chat_template")
         text = tpl
+    if not text.strip():  # an empty template would silently give way to the tokenizer's
+        raise InputError("the chat template is empty", path=path, field="chat_template" if path.endswith(".json") else None)
     check_template_syntax(text, path)
     return text
 
@@ -338,4 +343,9 @@ def encode_chat(tokenizer, messages: list[dict], system_prompt: str | None = Non
     """Token ids of the conversation plus the assistant generation prompt."""
     text, templated = render_chat(tokenizer, with_system(messages, system_prompt), chat_template)
     # A template writes its own BOS; plain text gets the tokenizer's special tokens.
-    return list(tokenizer(text, add_special_tokens=not templated)["input_ids"])
+    ids = list(tokenizer(text, add_special_tokens=not templated)["input_ids"])
+    if not ids:  # the model needs at least one position to predict from
+        raise InputError("rendered no tokens for this conversation (it must write the messages or at least the "
+                         "assistant's generation prompt)", path="chat template") if templated else \
+            InputError("encodes to no tokens", path="prompt")
+    return ids

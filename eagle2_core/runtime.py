@@ -27,6 +27,17 @@ def supports_graph(tree: TreeSettings) -> bool:
     return tree.shape == "dynamic" and tree.budget == "constant"
 
 
+def uncaptured_notice(tree: TreeSettings) -> str:
+    """The one line `--compile` gets for a tree it cannot capture, saying what runs instead."""
+    if tree.budget == "auto":
+        why = "the per-cycle budget (--total-tokens auto) sizes every cycle's tree anew, which graph mode (fixed shapes) cannot capture"
+        fix = "--total-tokens N"
+    else:
+        why = f"the {tree.shape} draft shape has no graph-mode cycle to capture"
+        fix = "--draft-shape dynamic with --total-tokens N"
+    return f"--compile: {why}; running it uncaptured, as without --compile (capture needs {fix})"
+
+
 def capture_choice(device, tree: TreeSettings, compile: bool | None) -> tuple[str | None, bool]:
     """(torch.compile backend or None, graph mode?) for `--compile/--no-compile` (None: the default).
 
@@ -83,6 +94,7 @@ class Runtime:
     _decoders: dict = field(default_factory=dict, repr=False)  # one per setting: a captured cycle is compiled once
     auto_tree: TreeSettings | None = None  # the per-cycle budget's settings (`--total-tokens auto`, `compare --against auto`)
     constant_tree: TreeSettings | None = None  # the tree with a constant budget (`--total-tokens N`; graph mode, tree:N/D/K sweeps)
+    notices: list[str] = field(default_factory=list)  # what was asked for and is not done, one line each, for the CLI to show
 
     @classmethod
     def load(cls, model: str | None = None, draft: str | None = None, *, dtype: str = "auto", device: str = "auto",
@@ -107,8 +119,10 @@ class Runtime:
         except ValueError as e:
             raise LoadError(str(e)) from None
         backend, graph = capture_choice(out.device, settings, compile)
+        notices = [uncaptured_notice(settings)] if compile and not supports_graph(settings) else []
         return cls(target, head, settings, gen or GenerationSettings(), system_prompt, chat_template,
-                   draft_name=draft or default_head_for(target.name) or "", costs=costs, compile=backend, graph=graph, auto_tree=auto, constant_tree=constant_tree)
+                   draft_name=draft or default_head_for(target.name) or "", costs=costs, compile=backend, graph=graph, auto_tree=auto,
+                   constant_tree=constant_tree, notices=notices)
 
     @property
     def auto_max(self) -> int:

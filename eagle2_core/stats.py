@@ -47,6 +47,7 @@ class MethodRun:
     speculative: bool = True      # False for plain HF generate (no tau/acceptance)
     ops_per_cycle: dict | None = None  # aten ops dispatched per steady-state cycle (opcount.py)
     plan: dict | None = None      # a batched method's batch size and tree size, and the estimates they came from
+    backend_used: str | None = None    # what ran the cycles (compare.backend_used()); None for plain generate
 
     @property
     def total(self) -> Summary:
@@ -163,6 +164,8 @@ class Comparison:
                 d["calibration_gap"] = tot.calibration_gap
             if run.ops_per_cycle:
                 d["ops_per_cycle"] = run.ops_per_cycle
+            if run.backend_used:
+                d["backend_used"] = run.backend_used
         if run.plan:
             d["batch_plan"] = run.plan
         if name != self.baseline:

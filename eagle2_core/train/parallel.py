@@ -17,6 +17,11 @@ import torch
 import torch.distributed as dist
 
 
+class ProcessGroupError(ValueError):
+    """The launcher asked for several processes and they could not join up (one line for the
+    user: `eagle2 train` reports ValueErrors as such)."""
+
+
 @dataclass(frozen=True)
 class World:
     rank: int = 0
@@ -40,11 +45,26 @@ def world(device: str | torch.device | None = None) -> World:
     """The process group this run is part of, started from the launcher's environment if needed."""
     if dist.is_available() and dist.is_initialized():
         return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size <= 1 or not dist.is_available():
+    try:
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ProcessGroupError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a number") from None
+    if size <= 1:
         return World()
+    # A launcher asked for `size` processes: training alone would give each of them the whole
+    # data and N heads written over each other, so a group that cannot form stops the run.
+    if not dist.is_available():
+        raise ProcessGroupError(f"WORLD_SIZE={size} but this torch has no torch.distributed; "
+                                "run without the launcher or install a torch with distributed support")
     on_gpu = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
-    dist.init_process_group("nccl" if on_gpu else "gloo")
+    backend = "nccl" if on_gpu else "gloo"
+    try:
+        dist.init_process_group(backend)
+    except Exception as e:  # noqa: BLE001 - missing MASTER_ADDR, a refused port, a timeout: all end the run here
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise ProcessGroupError(f"WORLD_SIZE={size} but the {backend} process group could not be formed "
+                                f"(rank {os.environ.get('RANK', '?')}, MASTER_ADDR={os.environ.get('MASTER_ADDR', 'unset')}, "
+                                f"MASTER_PORT={os.environ.get('MASTER_PORT', 'unset')}): {first}") from None
     return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
 
 
