@@ -17,7 +17,8 @@ there (SGLang; see docs/gpu.md) run a cycle as a few graph replays. This is the 
 
 So `torch.compile(fullgraph=True)` captures each of the two functions whole (with
 mode="reduce-overhead" on CUDA, as CUDA graphs). Sampling keeps its host-side acceptance walk
-(accept.accept_sampling) between the two, uncaptured.
+(accept.accept_sampling) between the two, uncaptured; so does greedy verification when the target
+has logits processors (repetition penalty, ...: sampling.TargetProcessors, host-side per depth).
 """
 from __future__ import annotations
 

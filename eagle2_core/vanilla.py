@@ -46,11 +46,12 @@ class VanillaDecoder:
         # each field left None from model.generation_config (bad_words_ids, say, even when the
         # settings say not to use the model's config).
         cfg = generation_config_for(gen, self.model.generation_config)
+        model_kw = cfg.update(**self.extra)  # generation fields of the extras (prompt lookup, a static cache) go in too
+        # set directly, not through update(): its validation refuses max_new_tokens 0 (no room: generate is not called)
         cfg.max_new_tokens, cfg.max_length, cfg.eos_token_id, cfg.pad_token_id = max_new, None, eos or None, (eos[0] if eos else 0)
         cfg.stop_strings, cfg.max_time = (list(gen.stop_strings) if gen.stop_strings and self.tokenizer is not None else None), None
         if not cfg.do_sample:  # unused when greedy; None keeps generate from warning about them
             cfg.temperature = cfg.top_k = cfg.top_p = cfg.min_p = None
-        model_kw = cfg.update(**self.extra)  # generation fields of the extras (prompt lookup, a static cache) go in too
         if cfg.stop_strings:
             model_kw["tokenizer"] = self.tokenizer
         if gen.seed is not None:
