@@ -122,7 +122,7 @@ def _options(max_new_tokens: int):
           help="Top-k sampling; 0 = off. [default: the model's; generate()'s 50 where it sets none]"),
         o("--min-p", type=click.FloatRange(0, 1), default=None, help="Min-p sampling; 0 = off. [default: the model's]"),
         o("--repetition-penalty", type=click.FloatRange(min=0, min_open=True), default=None,
-          help="Divide the scores of tokens already in the context (CTRL); 1 = off. [default: the model's]"),
+          help="Penalise tokens already in the context (CTRL's rule, as generate() applies it); 1 = off. [default: the model's]"),
         o("--no-repeat-ngram-size", type=click.IntRange(min=0), default=None, help="Never repeat an n-gram of this size; 0 = off. [default: the model's]"),
         o("--generation-config/--no-generation-config", default=True, show_default=True,
           help="Take the defaults above, and every other logits processor (bad_words_ids, suppress_tokens, ...), from the "

@@ -367,3 +367,23 @@ def test_cli_refuses_what_it_cannot_apply(tmp_path, tiny_model_dir, tiny_head_di
     assert len(lines) == 1 and "guidance_scale=1.5" in lines[0] and "--no-generation-config" in lines[0], r.stderr
     r = CliRunner().invoke(cli, ["chat", "--no-calibrate", "--prompt", "Hi", "--no-generation-config"] + args)
     assert r.exit_code == 0, r.stderr
+
+
+def test_first_token_is_drawn_from_the_processed_law(sampling_env):
+    """The prefill's draw (monkeypatched away in the law above): 1000 seeded one-token runs against
+    the processed law of token 1, with enough power to reject the unprocessed one."""
+    from conftest import chisquare_power, pooled_chisquare
+    from test_sampling_lossless import ALPHA, PROMPT, V, exact_target_law, sample_seeds
+
+    kw = dict(temperature=1.0, repetition_penalty=0.3)  # < 1 rewards the prompt's tokens: a large shift of token 1's law
+    first = lambda law: {(a,): sum(v for k, v in law.items() if k[0] == a) for a in range(V)}  # noqa: E731
+    exact = first(exact_processed_law(sampling_env["model"], PROMPT, V, kw))
+    plain = first(exact_target_law(sampling_env["model"], GenerationSettings(temperature=1.0)))
+    n, counts = 1000, {}
+    for seed in sample_seeds(n):
+        out, _ = sampling_env["dec"].generate(PROMPT, GenerationSettings(**kw, max_new_tokens=1, seed=seed, eos_token_ids=()))
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+    stat, dof, pval, bins = pooled_chisquare(counts, exact, n)
+    power = chisquare_power(exact, plain, bins, n, ALPHA)
+    print(f"\n[processors] first token, N={n}: chi2={stat:.1f} df={dof} p={pval:.3f}; power vs unprocessed {power:.4f}")
+    assert pval > ALPHA and power >= 0.999
