@@ -10,8 +10,8 @@ tree node with that node's own history (context plus its path), or greedy output
     of nodes; no processor at all returns the logits object itself;
   * greedy: tiny models whose generation_config sets repetition penalty + no-repeat n-grams, or
     bad words, suppressed tokens, a sequence bias, min_new_tokens and an EOS length penalty,
-    decode exactly as the model's own `generate()` (dynamic tree, both lm_head plans, graph mode
-    shapes); the processors do change the output, and multi-token paths are accepted;
+    decode exactly as the model's own `generate()` (dynamic tree, both lm_head plans, graph mode:
+    fixed shapes); the processors do change the output, and multi-token paths are accepted;
   * sampling: the exact law of the first 3 tokens under repetition penalty + no-repeat n-grams
     (+ temperature/top-k), from the engine's own trees and probabilities, equals the law
     enumerated from full forwards; processing every node with the root's history only (the
