@@ -145,7 +145,7 @@ class GraphCycle:
         """`verify_fn` with the target's processors (`score(logits)`, sampling.TargetProcessors) before the argmax."""
         hidden, features = self._forward(tree, self.seq_len)
         argmax = score(self.run.logits(hidden)).argmax(-1)
-        path, accepted, bonus = accept_greedy_fixed(tree, argmax, self.width)
+        path, accepted, bonus = accept_greedy_graph(tree, argmax, self.width)
         return (path, bonus) + self.commit_fn(tree, features, self.seq_len, path, accepted, bonus)
 
     def verify_sampling(self, tree: DraftTree, score, rng):

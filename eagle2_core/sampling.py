@@ -39,7 +39,7 @@ HISTORY_FREE = (TemperatureLogitsWarper, TopHLogitsWarper, TopKLogitsWarper, Top
 # forward with its own cache; watermarking keys on state we would have to replay per node; the
 # rest are other decoding algorithms (beams, contrastive, DoLa) or several sequences per prompt.
 REFUSED = (
-    ("guidance_scale", lambda v: v is not None and v != 1, "classifier-free guidance (a second, unconditional forward)"),
+    ("guidance_scale", lambda v: v is not None and v != 1, "classifier-free guidance, a second unconditional forward"),
     ("watermarking_config", lambda v: v is not None, "watermarking"),
     ("num_beams", lambda v: v is not None and v > 1, "beam search"),
     ("num_beam_groups", lambda v: v is not None and v > 1, "group beam search"),
@@ -49,7 +49,7 @@ REFUSED = (
     ("penalty_alpha", lambda v: v is not None and v > 0, "contrastive search"),
     ("dola_layers", lambda v: v is not None, "DoLa decoding"),
     ("num_return_sequences", lambda v: v is not None and v > 1, "several sequences per prompt"),
-    ("token_healing", lambda v: bool(v), "token healing (it rewrites the prompt)"),
+    ("token_healing", lambda v: bool(v), "token healing, which rewrites the prompt"),
 )
 OFF_FLAG = "--no-generation-config"  # the CLI flag that ignores the model's generation_config
 

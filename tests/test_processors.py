@@ -361,11 +361,11 @@ def test_cli_refuses_what_it_cannot_apply(tmp_path, tiny_model_dir, tiny_head_di
 
     folder = model_copy(tiny_model_dir, tmp_path, guidance_scale=1.5)
     args = ["--model", folder, "--draft", tiny_head_dir, "--max-new-tokens", "3", "--device", "cpu"]
-    r = CliRunner().invoke(cli, ["chat", "--no-calibrate", "--prompt", "Hi"] + args)
+    r = CliRunner().invoke(cli, ["chat", "--no-baseline", "--prompt", "Hi"] + args)
     assert r.exit_code == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "guidance_scale=1.5" in lines[0] and "--no-generation-config" in lines[0], r.stderr
-    r = CliRunner().invoke(cli, ["chat", "--no-calibrate", "--prompt", "Hi", "--no-generation-config"] + args)
+    r = CliRunner().invoke(cli, ["chat", "--no-baseline", "--prompt", "Hi", "--no-generation-config"] + args)
     assert r.exit_code == 0, r.stderr
 
 
