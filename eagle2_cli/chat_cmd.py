@@ -316,6 +316,8 @@ def chat(prompts, show_draft, compare_each, no_baseline, baseline_tokens, no_cal
 
     out, err = consoles()
     rt = common.load(err)
+    if rt.generation_label() != "greedy":  # say where sampling or a penalty came from: flags or the model's generation_config
+        err.print(f"[dim]generation: {rt.generation_label()} (the model's generation_config, flags override)[/]", highlight=False)
     app = ChatApp(rt, out, err, show_draft=show_draft, compare=compare_each, baseline_tokens=calibration_tokens or baseline_tokens)
     if not (no_baseline or no_calibrate) and not compare_each:
         app.measure_baseline("start-up")

@@ -88,6 +88,8 @@ def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, 
     Runs a warm-up, then every method on each prompt in turn. Reports tokens/s, speedup (total
     tokens over total time, and the mean of per-prompt ratios), tau, acceptance by depth and, at
     temperature 0, how many outputs are identical. Without -f or --dataset, a built-in short set.
+    Greedy unless --temperature is given, even where the model's generation_config samples; its
+    other settings (repetition penalty, ...) run on both sides, and the title and --json say which.
     """
     from eagle2_core.compare import run_comparison, split_by_context
     from eagle2_core.datasets import builtin_items, dataset_items
@@ -120,7 +122,7 @@ def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, 
     if not items:
         raise click.ClickException("no prompts to run")
 
-    rt = common.load(err)
+    rt = common.load(err, sample_by_default=False)  # greedy unless -t: the identity count needs it
     items, too_long = split_by_context(rt, items)
     for it, n in too_long:
         bad += 1
@@ -154,7 +156,7 @@ def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, 
                               warmup_tokens=warmup_tokens, on_step=on_step, settings=settings)
 
     title = (f"{len(items)} prompt{'s' if len(items) != 1 else ''} from {source}, {rt.gen.max_new_tokens} new tokens max, "
-             f"{'greedy' if comp.greedy else f'temperature {rt.gen.temperature}'}, tree {t.label()}")
+             f"{rt.generation_label()}, tree {t.label()}")
     if json_path == "-":
         out = err  # stdout carries the JSON
     out.print(compare_table(comp, title))

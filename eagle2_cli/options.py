@@ -21,9 +21,13 @@ class CommonOptions:
     load_in_8bit: bool
     load_in_4bit: bool
     trust_remote_code: bool
-    temperature: float
-    top_p: float
-    top_k: int
+    temperature: float | None   # None: the model's generation_config (sampling.settings_from_model)
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
+    repetition_penalty: float | None
+    no_repeat_ngram_size: int | None
+    generation_config: bool     # False: --no-generation-config, the model's generation settings ignored
     max_new_tokens: int
     seed: int | None
     total_tokens: int | str | None
@@ -34,17 +38,19 @@ class CommonOptions:
     chat_template: str | None
     compile: bool | None
 
-    def generation(self):
-        from eagle2_core.events import GenerationSettings
-
-        return GenerationSettings(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                                  top_k=self.top_k, seed=self.seed)
+    def generation_overrides(self) -> dict:
+        """The generation flags the user gave (None = not given: the model's generation_config decides)."""
+        return {"max_new_tokens": self.max_new_tokens, "seed": self.seed, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+                "no_repeat_ngram_size": self.no_repeat_ngram_size}
 
     def tree_overrides(self) -> dict:
         return {"total_tokens": self.total_tokens, "depth": self.depth, "top_k": self.tree_top_k, "shape": self.draft_shape}
 
-    def load(self, console=None, need_head: bool = True):
-        """Load model and head (a spinner on `console`, normally stderr) into a Runtime."""
+    def load(self, console=None, need_head: bool = True, sample_by_default: bool = True):
+        """Load model and head (a spinner on `console`, normally stderr) into a Runtime.
+        `sample_by_default=False` (compare): greedy unless --temperature says otherwise, even
+        where the model's generation_config samples; its other settings still apply."""
         from eagle2_core.prompts import load_chat_template
         from eagle2_core.runtime import Runtime
 
@@ -56,7 +62,8 @@ class CommonOptions:
             rt = Runtime.load(self.model, self.draft, dtype=self.dtype, device=self.device, device_map=self.device_map,
                               load_in_8bit=self.load_in_8bit, load_in_4bit=self.load_in_4bit,
                               trust_remote_code=self.trust_remote_code, tree=self.tree_overrides(),
-                              gen=self.generation(), system_prompt=self.system_prompt, chat_template=template,
+                              gen_overrides=self.generation_overrides(), use_generation_config=self.generation_config,
+                              sample_by_default=sample_by_default, system_prompt=self.system_prompt, chat_template=template,
                               need_head=need_head, compile=self.compile)
         for line in rt.notices if console is not None else ():
             console.print(f"[yellow]note:[/] {line}", markup=True, highlight=False, soft_wrap=True)
@@ -128,9 +135,18 @@ def _options(max_new_tokens: int):
         o("--load-in-8bit", is_flag=True, help="Quantize the target with bitsandbytes (8-bit)."),
         o("--load-in-4bit", is_flag=True, help="Quantize the target with bitsandbytes (4-bit)."),
         o("--trust-remote-code", is_flag=True, help="Allow custom modelling code from the hub."),
-        o("--temperature", "-t", type=FiniteFloat(min=0), default=0.0, show_default=True, help="Sampling temperature; 0 = greedy."),
-        o("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0, show_default=True, help="Nucleus sampling."),
-        o("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="Top-k sampling; 0 = off."),
+        o("--temperature", "-t", type=click.FloatRange(min=0), default=None,
+          help="Sampling temperature; 0 = greedy. [default: the model's generation_config, else greedy; compare: greedy]"),
+        o("--top-p", type=FiniteFloat(0, 1, min_open=True), default=None, help="Nucleus sampling; 1 = off. [default: the model's]"),
+        o("--top-k", type=click.IntRange(min=0), default=None,
+          help="Top-k sampling; 0 = off. [default: the model's; generate()'s 50 where it sets none]"),
+        o("--min-p", type=FiniteFloat(0, 1), default=None, help="Min-p sampling; 0 = off. [default: the model's]"),
+        o("--repetition-penalty", type=FiniteFloat(min=0, min_open=True), default=None,
+          help="Penalise tokens already in the context (CTRL's rule, as generate() applies it); 1 = off. [default: the model's]"),
+        o("--no-repeat-ngram-size", type=click.IntRange(min=0), default=None, help="Never repeat an n-gram of this size; 0 = off. [default: the model's]"),
+        o("--generation-config/--no-generation-config", default=True, show_default=True,
+          help="Take the defaults above, and every other logits processor (bad_words_ids, suppress_tokens, ...), from the "
+               "model's generation_config.json, as generate() does; --no-generation-config: greedy, nothing else, unless flags say."),
         o("--max-new-tokens", "-n", type=click.IntRange(min=0), default=max_new_tokens, show_default=True, help="Token budget per answer."),
         o("--seed", type=click.IntRange(-(2**63), 2**64 - 1), default=None, help="Random seed for sampling."),
         o("--total-tokens", type=TreeSize(), default=None, metavar="N|auto",

@@ -30,7 +30,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .accept import accept_sampling_keyed, inverse_cdf, position_uniforms
 from .kvcache import num_cache_layers
 from .rowgemm import row_linears
-from .sampling import make_warpers, target_probs
 from .target import TargetRunner, capture_layer_inputs, fuse
 from .tree import DraftTree, additive
 
@@ -190,7 +189,8 @@ class Slot:
     """One sequence in the batch, on the host: its stop checks, sampling, statistics."""
     key: object
     stop: object
-    warpers: object = None
+    procs: object = None     # sampling.TargetProcessors: the model's generation_config processors, warpers included
+    prompt: list = field(default_factory=list)
     seed: int = 0            # sampling: one uniform per output position from (seed, position) (accept_sampling_keyed)
     tokens: list = field(default_factory=list)   # emitted tokens (what the record gets)
     summary: object = None
@@ -400,7 +400,16 @@ class BatchCycle:
         out = self.run.body(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=c, use_cache=True)
         hidden = out.last_hidden_state                                   # [B, N, H]
         logits = self.run.logits(hidden.reshape(b * n, -1)).view(b, n, -1)
-        sampled = [i for i, s in enumerate(self.slots) if s is not None and s.warpers is not None]
+        # every processor generate() would apply, to each node with its own history (context plus
+        # its ancestors: sampling.TargetProcessors.tree_scores); rows without processors keep their logits
+        processed = [i for i, s in enumerate(self.slots) if s is not None and s.procs is not None and s.procs.active]
+        if processed:
+            logits = logits.clone()
+            for i in processed:
+                s = self.slots[i]
+                hist = torch.tensor(s.prompt + s.tokens[:-1], dtype=torch.long, device=dev)
+                logits[i] = s.procs.tree_scores(logits[i], hist, DraftTree(tokens[i], parents[i], depth[i], anc[i]))
+        sampled = [i for i, s in enumerate(self.slots) if s is not None and s.procs is not None and s.procs.sampling]
         argmax = logits.argmax(-1)
         path, accepted, bonus = accept_greedy_batch(tokens, parents, depth, anc, argmax, w)
         if sampled:  # lossless sampling acceptance, row by row on the host (accept.accept_sampling_keyed)
@@ -409,7 +418,7 @@ class BatchCycle:
                 s = self.slots[i]
                 tree = DraftTree(tokens[i], parents[i], depth[i], anc[i])
                 u = position_uniforms(s.seed, len(s.tokens), w)  # the next output positions of this sequence
-                p_list, bonus_i = accept_sampling_keyed(tree, target_probs(logits[i], s.warpers), u)
+                p_list, bonus_i = accept_sampling_keyed(tree, torch.softmax(logits[i].float(), -1), u)
                 path[i] = torch.tensor(p_list + [0] * (w - len(p_list)), device=dev)
                 accepted[i], bonus[i] = len(p_list) - 1, bonus_i
         # commit: accepted KV into place, per row; idle rows stay where they are
@@ -443,18 +452,23 @@ class BatchCycle:
 
 
 def pick_fn(slot: Slot):
-    """The first token after a prompt: argmax, or the draw of output position 0."""
+    """The first token after a prompt: argmax of the processed scores, or the draw of output position 0."""
     def pick(logits):
-        if slot.warpers is None:
+        if slot.procs is not None and slot.procs.active:
+            logits = slot.procs.scores(logits, torch.tensor([slot.prompt], dtype=torch.long, device=logits.device))
+        if slot.procs is None or not slot.procs.sampling:
             return int(logits.argmax(-1)[0])
-        return inverse_cdf(target_probs(logits, slot.warpers)[0].float().cpu(), position_uniforms(slot.seed, 0, 1)[0])
+        return inverse_cdf(torch.softmax(logits[0].float(), -1).cpu(), position_uniforms(slot.seed, 0, 1)[0])
     return pick
 
 
-def new_slot(key, gen, stop, summary) -> Slot:
+def new_slot(key, gen, stop, summary, model=None, prompt=(), eos=()) -> Slot:
+    from .sampling import TargetProcessors
+
     # unseeded: a fresh seed per sequence (still one stream per sequence, independent of its mates)
     seed = gen.seed if gen.seed is not None else int(torch.randint(0, 1 << 62, ()).item())
-    return Slot(key=key, stop=stop, warpers=make_warpers(gen), seed=seed, summary=summary, started=time.perf_counter())
+    procs = TargetProcessors(gen, getattr(model, "generation_config", None), list(prompt) or [0], sorted(eos), gen.max_new_tokens)
+    return Slot(key=key, stop=stop, procs=procs, prompt=list(prompt), seed=seed, summary=summary, started=time.perf_counter())
 
 
 def expected_tokens(probs: torch.Tensor, calibration: float) -> torch.Tensor:
@@ -599,7 +613,7 @@ class BatchDecoder:
                     eos = set(req.gen.eos_token_ids) if req.gen.eos_token_ids is not None else default_eos
                     stop = StopChecker(req.gen, self.tokenizer, eos, run_max, len(req.ids))
                     summary = Summary(prompt_tokens=len(req.ids))
-                    slot = new_slot(req.key, req.gen, stop, summary)
+                    slot = new_slot(req.key, req.gen, stop, summary, self.model, req.ids, eos)
                     if stop.done:  # no room at all: nothing to generate
                         summary.finish(stop, 0.0)
                         on_done(req.key, [], summary)

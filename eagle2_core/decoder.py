@@ -17,7 +17,7 @@ from .budget import BudgetChooser, on_accepted_path
 from .drafter import Drafter
 from .events import GenerationSettings, StepEvent, StopChecker, Summary, collect
 from .kvcache import TreeKVCache, num_cache_layers
-from .sampling import make_warpers, target_probs
+from .sampling import TargetProcessors
 from .target import TargetRunner
 from .treesettings import TreeSettings
 
@@ -72,8 +72,11 @@ class Eagle2Decoder:
         gen = gen or GenerationSettings()
         run, dev = self.runner, self.runner.device
         ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=dev).view(-1)
-        stop = StopChecker(gen, self.tokenizer, run.eos_ids(gen, self.tokenizer), run.max_positions, ids.numel())
-        warpers = make_warpers(gen)
+        eos = run.eos_ids(gen, self.tokenizer)
+        stop = StopChecker(gen, self.tokenizer, eos, run.max_positions, ids.numel())
+        # what generate() applies to the target's logits, in its order; nothing at all by default
+        procs = TargetProcessors(gen, getattr(run.model, "generation_config", None), ids, eos,
+                                 max(0, min(gen.max_new_tokens, run.max_positions - ids.numel())), dev)
         rng = torch.Generator().manual_seed(gen.seed) if gen.seed is not None else None
         cap = min(run.max_positions, ids.numel() + gen.max_new_tokens) + self.tree.total_tokens + self.tree.depth + 8
         cycle = self._cycle(cap)
@@ -82,7 +85,8 @@ class Eagle2Decoder:
 
         # Prefill: the target reads the prompt and picks the first token itself (the first root).
         with cycle.session():
-            root = cycle.prefill(ids, lambda logits: self._pick(logits, warpers, rng)[0])
+            root = cycle.prefill(ids, lambda logits: self._pick(procs.scores(logits, ids[None]), procs.sampling, rng)[0])
+            history = ids  # every token before the root: what tree_scores extends along each path
             summary.target_forwards, summary.prefill_s = 1, time.perf_counter() - t0
             emitted = stop.push([root])
             yield StepEvent(emitted, accepted=0, tree_size=1, draft_s=0.0, verify_s=summary.prefill_s)
@@ -93,10 +97,17 @@ class Eagle2Decoder:
                 tree = cycle.draft(stop.remaining - 1)
                 t2 = time.perf_counter()
                 # Verify (paper section 3): all tree nodes in one forward, then accept and commit.
-                if gen.temperature > 0:
-                    accepted, deepest, new_tokens = cycle.verify_sampling(tree, warpers, rng)
+                # each node's scores with its own history (sampling.TargetProcessors.tree_scores)
+                score = (lambda logits, nodes=None, _t=tree, _h=history: procs.tree_scores(logits, _h, _t, nodes)) if procs.active else None
+                if procs.sampling:
+                    accepted, deepest, new_tokens = cycle.verify_sampling(tree, score or (lambda logits, nodes=None: logits), rng)
+                elif score is not None:
+                    accepted, deepest, new_tokens = cycle.verify_greedy(tree, score)
                 else:
                     accepted, deepest, new_tokens = cycle.verify_greedy(tree)
+                if procs.reads_history:
+                    history = torch.cat([history, torch.tensor([root] + new_tokens[:-1], dtype=torch.long, device=dev)])
+                root = new_tokens[-1]
                 t3 = time.perf_counter()
                 summary.record_cycle(accepted, tree.size, deepest, t2 - t1, t3 - t2)
                 if self.record_confidence:
@@ -110,11 +121,11 @@ class Eagle2Decoder:
         summary.finish(stop, time.perf_counter() - t0)
         yield summary
 
-    def _pick(self, logits, warpers, rng) -> list[int]:
-        if warpers is None:
-            return logits.argmax(-1).tolist()
-        probs = target_probs(logits, warpers)
-        return torch.multinomial(probs.float().cpu(), 1, generator=rng).flatten().tolist()
+    def _pick(self, scores, sampling: bool, rng) -> list[int]:
+        if not sampling:
+            return scores.argmax(-1).tolist()
+        probs = torch.softmax(scores.float(), dim=-1)
+        return torch.multinomial(probs.cpu(), 1, generator=rng).flatten().tolist()
 
     def generate(self, prompt_ids, gen: GenerationSettings | None = None) -> tuple[list[int], Summary]:
         return collect(self.stream(prompt_ids, gen))
@@ -154,14 +165,15 @@ class EagerCycle:
         self.past = self.cache.length  # committed tokens; the root sits at position `past`
         return self.run.forward_features(tree.tokens, self.past + tree.depth, self.run.tree_mask(tree, self.past), self.cache, self.layers)
 
-    def verify_greedy(self, tree):
+    def verify_greedy(self, tree, score=None):
+        """`score(logits, nodes)`: the target's processors for those tree nodes (None: none apply)."""
         hidden, features = self._forward(tree)
-        path, bonus = self._accept_greedy(tree, hidden)
+        path, bonus = self._accept_greedy(tree, hidden, score)
         return self._commit(tree, features, path, bonus)
 
-    def verify_sampling(self, tree, warpers, rng):
+    def verify_sampling(self, tree, score, rng):
         hidden, features = self._forward(tree)
-        path, bonus = accept_sampling(tree, target_probs(self.run.logits(hidden), warpers), rng)
+        path, bonus = accept_sampling(tree, torch.softmax(score(self.run.logits(hidden)), dim=-1), rng)
         return self._commit(tree, features, path, bonus)
 
     def _commit(self, tree, features, path: list[int], bonus: int):
@@ -173,7 +185,11 @@ class EagerCycle:
         deepest = int(tree.depth[-1]) if tree.size > 1 else 0  # nodes are in depth order
         return len(path) - 1, deepest, self.new_tokens.tolist()
 
-    def _accept_greedy(self, tree, hidden) -> tuple[list[int], int]:
+    def _argmax(self, hidden, score=None, nodes=None):
+        logits = self.run.logits(hidden)
+        return (logits if score is None else score(logits, nodes)).argmax(-1)
+
+    def _accept_greedy(self, tree, hidden, score=None) -> tuple[list[int], int]:
         """Greedy acceptance with lm_head applied only where an argmax is needed.
 
         Children are checked against their parent's argmax, so only nodes with children need
@@ -181,16 +197,17 @@ class EagerCycle:
         On a small model lm_head is a large share of the verify cost, and about half the nodes
         of a tree are leaves. Where extra rows are nearly free that second pass over lm_head's
         weights would cost more than it saves, so all rows go in one product; which case holds is
-        measured (`Eagle2Decoder.lm_head_in_one_product`).
+        measured (`Eagle2Decoder.lm_head_in_one_product`). With processors (`score`), the rows
+        computed are processed with their own nodes' histories, the same plan either way.
         """
         if self.dec.lm_head_in_one_product:
-            return accept_greedy(tree, self.run.logits(hidden).argmax(-1))
+            return accept_greedy(tree, self._argmax(hidden, score))
         internal = torch.zeros(tree.size, dtype=torch.bool, device=tree.tokens.device)
         internal[tree.parents[1:]] = True
         rows = torch.nonzero(internal).flatten()
         argmax = torch.full((tree.size,), -1, dtype=torch.long, device=tree.tokens.device)
-        argmax[rows] = self.run.logits(hidden[rows]).argmax(-1)
+        argmax[rows] = self._argmax(hidden[rows], score, rows)
         path, bonus = accept_greedy(tree, argmax)
         if bonus < 0:  # the path ends at a leaf
-            bonus = int(self.run.logits(hidden[path[-1] : path[-1] + 1]).argmax(-1))
+            bonus = int(self._argmax(hidden[path[-1] : path[-1] + 1], score, torch.tensor([path[-1]], device=hidden.device)))
         return path, bonus

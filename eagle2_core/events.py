@@ -16,9 +16,17 @@ class GenerationSettings:
     temperature: float = 0.0        # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0                  # 0 = off
+    min_p: float = 0.0              # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    no_repeat_ngram_size: int = 0   # 0 = off
     seed: int | None = None
     stop_strings: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] | None = None  # None: the model's EOS plus chat end-of-turn tokens
+    # Also what the model's generation_config sets beyond the fields above (bad_words_ids,
+    # suppress_tokens, min_new_tokens, sequence_bias, ...), applied as `generate` applies them
+    # (sampling.TargetProcessors); False: only the fields above. The fields above are always
+    # these values: sampling.settings_from_model takes their defaults from the model's config.
+    use_generation_config: bool = True
 
 
 @dataclass

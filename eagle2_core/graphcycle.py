@@ -17,7 +17,8 @@ there (SGLang; see docs/gpu.md) run a cycle as a few graph replays. This is the 
 
 So `torch.compile(fullgraph=True)` captures each of the two functions whole (with
 mode="reduce-overhead" on CUDA, as CUDA graphs). Sampling keeps its host-side acceptance walk
-(accept.accept_sampling) between the two, uncaptured.
+(accept.accept_sampling) between the two, uncaptured; so does greedy verification when the target
+has logits processors (repetition penalty, ...: sampling.TargetProcessors, host-side per depth).
 """
 from __future__ import annotations
 
@@ -30,7 +31,6 @@ from .accept import accept_greedy_graph, accept_sampling, path_tensor
 from .drafter import Drafter
 from .kvcache import StaticKVCache, num_cache_layers
 from .rowgemm import row_linears
-from .sampling import target_probs
 from .target import capture_layer_inputs
 from .tree import DraftTree
 
@@ -131,17 +131,27 @@ class GraphCycle:
         out = self._run(fn, self.new_tokens, self.new_features, self.start_pos, self.n_new, self.root)
         return DraftTree(*out)
 
-    def verify_greedy(self, tree: DraftTree):
-        path, bonus, new_tokens, new_features, seq_len, n_new, readout = self._run(
-            self._verify, tree.tokens, tree.parents, tree.depth, tree.ancestors, self.seq_len)
+    def verify_greedy(self, tree: DraftTree, score=None):
+        if score is None:
+            out = self._run(self._verify, tree.tokens, tree.parents, tree.depth, tree.ancestors, self.seq_len)
+        else:  # the target's processors run on the host: the same steps, uncaptured (the draft stays captured)
+            out = self._verify_scored(tree, score)
+        path, bonus, new_tokens, new_features, seq_len, n_new, readout = out
         values = self.read_back(readout)  # the one host synchronisation of a greedy cycle
         accepted, deepest = values[0], values[1]
         self._advance(path, bonus, new_tokens, new_features, seq_len, n_new)
         return accepted, deepest, values[2 : 3 + accepted]
 
-    def verify_sampling(self, tree: DraftTree, warpers, rng):
+    def _verify_scored(self, tree: DraftTree, score):
+        """`verify_fn` with the target's processors (`score(logits)`, sampling.TargetProcessors) before the argmax."""
         hidden, features = self._forward(tree, self.seq_len)
-        path_l, bonus_i = accept_sampling(tree, target_probs(self.run.logits(hidden), warpers), rng)
+        argmax = score(self.run.logits(hidden)).argmax(-1)
+        path, accepted, bonus = accept_greedy_graph(tree, argmax, self.width)
+        return (path, bonus) + self.commit_fn(tree, features, self.seq_len, path, accepted, bonus)
+
+    def verify_sampling(self, tree: DraftTree, score, rng):
+        hidden, features = self._forward(tree, self.seq_len)
+        path_l, bonus_i = accept_sampling(tree, torch.softmax(score(self.run.logits(hidden)), dim=-1), rng)
         dev = tree.tokens.device
         path, bonus = path_tensor(path_l, self.width, dev), torch.tensor(bonus_i, device=dev)
         new_tokens, new_features, seq_len, n_new, readout = self.commit_fn(tree, features, self.seq_len, path,

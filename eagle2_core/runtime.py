@@ -15,6 +15,7 @@ from .events import GenerationSettings
 from .head import DraftHead, HeadSpec
 from .loading import LoadedTarget, LoadError, default_head_for, load_draft_head, load_target
 from .prompts import encode_chat
+from .sampling import generation_description, generation_label, settings_from_model
 from .target import context_length
 from .treesettings import TreeSettings, auto_max, device_trees
 from .vanilla import VanillaDecoder
@@ -101,9 +102,17 @@ class Runtime:
              device_map: str | None = None, load_in_8bit: bool = False, load_in_4bit: bool = False,
              trust_remote_code: bool = False, tree: dict | None = None, gen: GenerationSettings | None = None,
              system_prompt: str | None = None, chat_template: str | None = None, need_head: bool = True,
-             compile: bool | None = None) -> "Runtime":
+             compile: bool | None = None, gen_overrides: dict | None = None, use_generation_config: bool = True,
+             sample_by_default: bool = True) -> "Runtime":
+        """`gen` is used as given; without it the settings come from the model's generation_config
+        with `gen_overrides` (the user's flags, None = not given) on top (sampling.settings_from_model)."""
         target = load_target(model, dtype=dtype, device=device, device_map=device_map, load_in_8bit=load_in_8bit,
                              load_in_4bit=load_in_4bit, trust_remote_code=trust_remote_code)
+        model_gen = getattr(target.model, "generation_config", None)
+        if gen is None:
+            gen = settings_from_model(model_gen, gen_overrides, use_generation_config=use_generation_config,
+                                      sample_by_default=sample_by_default)
+        generation_description(gen, model_gen)  # a field eagle2 cannot apply exactly is refused now, in one line
         head = load_head(draft, target) if need_head else None
         out = target.model.get_output_embeddings().weight
         tree = dict(tree or {})
@@ -120,7 +129,7 @@ class Runtime:
             raise LoadError(str(e)) from None
         backend, graph = capture_choice(out.device, settings, compile)
         notices = [uncaptured_notice(settings)] if compile and not supports_graph(settings) else []
-        return cls(target, head, settings, gen or GenerationSettings(), system_prompt, chat_template,
+        return cls(target, head, settings, gen, system_prompt, chat_template,
                    draft_name=draft or default_head_for(target.name) or "", costs=costs, compile=backend, graph=graph, auto_tree=auto,
                    constant_tree=constant_tree, notices=notices)
 
@@ -151,7 +160,17 @@ class Runtime:
                 "head_kind": getattr(self.head, "kind", None),
                 "device": str(self.model.get_output_embeddings().weight.device),
                 "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
-                "generation": dataclasses.asdict(self.gen), "tree": dataclasses.asdict(self.tree)}
+                "generation": dataclasses.asdict(self.gen), "generation_config": self.generation_settings(),
+                "tree": dataclasses.asdict(self.tree)}
+
+    def generation_settings(self) -> dict:
+        """The generation_config fields that shape the target's scores, and its processors in
+        order: what both the EAGLE-2 decoder and vanilla `generate` run with `self.gen`."""
+        return generation_description(self.gen, getattr(self.model, "generation_config", None))
+
+    def generation_label(self) -> str:
+        """`generation_settings` in one line ("greedy: repetition_penalty 1.3")."""
+        return generation_label(self.gen, getattr(self.model, "generation_config", None))
 
     def encode(self, messages: list[dict]) -> list[int]:
         return encode_chat(self.tokenizer, messages, self.system_prompt, self.chat_template)

@@ -1,7 +1,9 @@
 """The baseline: Hugging Face `generate` on the same model object, dtype, device and sampling.
 
 Behind the same API as the EAGLE-2 decoder (events, then a Summary), so every comparison is
-like for like: same EOS ids, same warpers (temperature, top-k, top-p), same token budget.
+like for like: same EOS ids, same token budget, and the same GenerationConfig the EAGLE-2 side
+builds its logits processors from (sampling.generation_config_for: sampling on or off,
+temperature, top-k, top-p, repetition penalty, and whatever else the model's config sets).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from .events import GenerationSettings, StepEvent, StopChecker, Summary, collect
+from .sampling import generation_config_for
 from .target import context_length, model_eos_ids
 
 
@@ -38,18 +41,28 @@ class VanillaDecoder:
         eos = sorted(gen.eos_token_ids if gen.eos_token_ids is not None else model_eos_ids(self.model, self.tokenizer))
         max_pos = context_length(self.model.config)
         max_new = max(0, min(gen.max_new_tokens, max_pos - ids.shape[1]))
-        kw = dict(max_new_tokens=max_new, eos_token_id=eos or None, pad_token_id=(eos[0] if eos else 0),
-                  attention_mask=torch.ones_like(ids), **self.extra)
-        if gen.temperature > 0:
-            kw.update(do_sample=True, temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p)
-        else:
-            kw.update(do_sample=False, temperature=None, top_k=None, top_p=None)
-        if gen.stop_strings and self.tokenizer is not None:
-            kw.update(stop_strings=list(gen.stop_strings), tokenizer=self.tokenizer)
+        # Every setting in one explicit GenerationConfig, the one the EAGLE-2 side processes its
+        # logits with; while generate runs it is also the model's own, because generate fills
+        # each field left None from model.generation_config (bad_words_ids, say, even when the
+        # settings say not to use the model's config).
+        cfg = generation_config_for(gen, self.model.generation_config)
+        model_kw = cfg.update(**self.extra)  # generation fields of the extras (prompt lookup, a static cache) go in too
+        # set directly, not through update(): its validation refuses max_new_tokens 0 (no room: generate is not called)
+        cfg.max_new_tokens, cfg.max_length, cfg.eos_token_id, cfg.pad_token_id = max_new, None, eos or None, (eos[0] if eos else 0)
+        cfg.stop_strings, cfg.max_time = (list(gen.stop_strings) if gen.stop_strings and self.tokenizer is not None else None), None
+        if not cfg.do_sample:  # unused when greedy; None keeps generate from warning about them
+            cfg.temperature = cfg.top_k = cfg.top_p = cfg.min_p = None
+        if cfg.stop_strings:
+            model_kw["tokenizer"] = self.tokenizer
         if gen.seed is not None:
             torch.manual_seed(gen.seed)
+        own = self.model.generation_config
         t0 = time.perf_counter()
-        out = self.model.generate(ids, **kw)[0, ids.shape[1]:].tolist() if max_new > 0 else []
+        try:
+            self.model.generation_config = cfg
+            out = self.model.generate(ids, generation_config=cfg, attention_mask=torch.ones_like(ids), **model_kw)[0, ids.shape[1]:].tolist() if max_new > 0 else []
+        finally:
+            self.model.generation_config = own
         wall = time.perf_counter() - t0
         stop = StopChecker(gen, self.tokenizer, set(eos), max_pos, ids.shape[1])
         emitted = stop.push(out)

@@ -246,3 +246,31 @@ def test_prior_from_the_heads_metadata():
     class R:
         metadata = {"random": True}
     assert prior_expected(R(), 4) == [1.0] * 4
+
+
+def test_batched_applies_the_models_generation_config(tiny_lm):
+    """A model whose generation_config sets a repetition penalty and no-repeat n-grams: batched
+    greedy (trees and plain) equals the model's own generate() with that config."""
+    model = tiny_lm("llama", vocab_size=VOCAB, max_position_embeddings=MAXPOS)
+    head = distill_tiny_head(model)
+    model.generation_config.repetition_penalty = 1.3
+    model.generation_config.no_repeat_ngram_size = 3
+    try:
+        rng = random.Random(11)
+        prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(2, 10))] for _ in range(7)]
+        refs = []
+        for p in prompts:
+            x = torch.tensor([p])
+            refs.append(model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=15, do_sample=False, pad_token_id=0)[0, len(p):].tolist())
+        for batch, tree in ((3, 6), (4, 1)):
+            # the settings Runtime resolves from that config (sampling.settings_from_model, tested in test_processors)
+            g = GenerationSettings(max_new_tokens=15, eos_token_ids=(), repetition_penalty=1.3, no_repeat_ngram_size=3)
+            reqs = [Request(i, p, g) for i, p in enumerate(prompts)]
+            out, _ = run_batch(model, head, reqs, batch, tree)
+            assert [out[i][0] for i in range(len(prompts))] == refs, (batch, tree)
+        # and the processors did change the answers
+        model.generation_config.repetition_penalty, model.generation_config.no_repeat_ngram_size = 1.0, 0
+        bare = [reference(model, p, 15, ()) for p in prompts]
+        assert bare != refs
+    finally:
+        model.generation_config.repetition_penalty, model.generation_config.no_repeat_ngram_size = 1.0, 0
