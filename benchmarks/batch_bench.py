@@ -162,7 +162,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"{label}: {wall:.1f} s, {row['tokens'] / wall:.1f} tok/s, identical {same}/{len(prompts)}"
               + (f", tau {extra['tau']}" if extra.get("tau") else ""), flush=True)
-    best_hf = min((r["seconds"] for r in rows if r["method"].startswith("HF generate, batch ") and "batch 1" not in r["method"]), default=None)
+    best_hf = min((r["seconds"] for r in rows if r.get("spec", "").startswith("hf:")), default=None)  # batched HF rows only
     print(f"\nmachine: {cpu_name()}; torch {torch.__version__}; dtype {args.dtype}; {len(prompts)} prompts x {args.max_new_tokens} new tokens")
     print("| method | s | tok/s | vs best HF batched | identical to batch-1 generate |")
     print("|---|---|---|---|---|")
