@@ -135,7 +135,7 @@ def _options(max_new_tokens: int):
         o("--load-in-8bit", is_flag=True, help="Quantize the target with bitsandbytes (8-bit)."),
         o("--load-in-4bit", is_flag=True, help="Quantize the target with bitsandbytes (4-bit)."),
         o("--trust-remote-code", is_flag=True, help="Allow custom modelling code from the hub."),
-        o("--temperature", "-t", type=click.FloatRange(min=0), default=None,
+        o("--temperature", "-t", type=FiniteFloat(min=0), default=None,
           help="Sampling temperature; 0 = greedy. [default: the model's generation_config, else greedy; compare: greedy]"),
         o("--top-p", type=FiniteFloat(0, 1, min_open=True), default=None, help="Nucleus sampling; 1 = off. [default: the model's]"),
         o("--top-k", type=click.IntRange(min=0), default=None,
