@@ -6,24 +6,7 @@ import time
 
 import click
 
-from .options import common_options
-
-
-class BatchSize(click.ParamType):
-    """An int >= 1, or `auto`."""
-
-    name = "N|auto"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, int) or value == "auto":
-            return value
-        try:
-            n = int(value)
-        except ValueError:
-            self.fail(f"{value!r} is neither a number nor 'auto'", param, ctx)
-        if n < 1:
-            self.fail(f"{n} is smaller than 1", param, ctx)
-        return n
+from .options import CountOrAuto, common_options
 
 EPILOG = """\b
 Input lines (JSONL; sampling keys such as max_new_tokens, temperature, top_p, top_k, seed,
@@ -53,7 +36,7 @@ Examples:
               help="Output JSONL, appended to and resumed; '-' for stdout.")
 @click.option("--restart", is_flag=True, help="Discard an existing output file instead of resuming it.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-@click.option("--batch-size", "-b", type=BatchSize(), default="auto", show_default=True, metavar="N|auto",
+@click.option("--batch-size", "-b", type=CountOrAuto("one prompt at a time"), default="auto", show_default=True, metavar="N|auto",
               help="Sequences decoded together (continuous batching: a finished one's slot takes the next prompt). "
                    "auto: the size that this machine's measured costs say is fastest; 1: one prompt at a time.")
 @common_options

@@ -104,10 +104,14 @@ class FiniteFloat(click.FloatRange):
         return v
 
 
-class TreeSize(click.ParamType):
-    """An int >= 2, or `auto` (the per-cycle budget of eagle2_core/budget.py)."""
+class CountOrAuto(click.ParamType):
+    """An int >= 1, or `auto` (chosen from this machine's measured costs): `--total-tokens` (1: the
+    root alone, plain decoding; auto: the per-cycle budget, budget.py) and `generate --batch-size`."""
 
     name = "N|auto"
+
+    def __init__(self, one_means: str):
+        self.one_means = one_means
 
     def convert(self, value, param, ctx):
         if isinstance(value, int) or value == "auto":
@@ -117,7 +121,7 @@ class TreeSize(click.ParamType):
         except ValueError:
             self.fail(f"{value!r} is neither a number nor 'auto'", param, ctx)
         if n < 1:
-            self.fail(f"{n} is smaller than 1 (1: the root alone, plain decoding)", param, ctx)
+            self.fail(f"{n} is smaller than 1 (1: {self.one_means})", param, ctx)
         return n
 
 
@@ -149,7 +153,7 @@ def _options(max_new_tokens: int):
                "model's generation_config.json, as generate() does; --no-generation-config: greedy, nothing else, unless flags say."),
         o("--max-new-tokens", "-n", type=click.IntRange(min=0), default=max_new_tokens, show_default=True, help="Token budget per answer."),
         o("--seed", type=click.IntRange(-(2**63), 2**64 - 1), default=None, help="Random seed for sampling."),
-        o("--total-tokens", type=TreeSize(), default=None, metavar="N|auto",
+        o("--total-tokens", type=CountOrAuto("the root alone, plain decoding"), default=None, metavar="N|auto",
           help="Draft tree size incl. root [CPU 4, CPU bf16 10, GPU 60]; auto: chosen every cycle from the draft's "
                "confidence and this machine's measured costs, up to 16 on CPU, 60 on GPU."),
         o("--depth", type=click.IntRange(min=1), default=None, help="Longest draft path [CPU 2, CPU bf16 3, GPU 6]."),

@@ -277,27 +277,33 @@ def _cache_path(key: dict) -> str:
     return os.path.join(cache_dir(), "profiles", f"{digest}.json")
 
 
-def load_or_measure(model, head, remeasure: bool = False) -> CostProfile:
-    """The cached profile for this (model, dtype, device, threads, versions), else a fresh one."""
-    key = profile_key(model, head)
-    path = _cache_path(key)
+def _cached(path: str, key: dict, from_json, measure, what: str, remeasure: bool = False):
+    """The table cached at `path` if it was measured for `key`, else `measure()`, stored there."""
     if not remeasure and os.path.isfile(path):
         try:
             with open(path) as f:
-                prof = CostProfile.from_json(json.load(f))
-            if prof.key == key:
-                rowgemm.install_plan(row_plan(prof.row_products))
-                return prof
+                table = from_json(json.load(f))
+            if table.key == key:
+                return table, True
         except (OSError, ValueError, KeyError, TypeError) as e:
-            warnings.warn(f"ignoring the unreadable cost profile {path} ({e}); measuring again", stacklevel=2)
-    prof = measure_profile(model, head)
+            warnings.warn(f"ignoring the unreadable {what} {path} ({e}); measuring again", stacklevel=2)
+    table = measure()
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + ".tmp", "w") as f:
-            json.dump(prof.to_json(), f, indent=1)
+            json.dump(table.to_json(), f, indent=1)
         os.replace(path + ".tmp", path)
     except OSError:
-        pass  # a read-only cache only costs a few seconds next time
+        pass  # a read-only cache only costs the measurement next time
+    return table, False
+
+
+def load_or_measure(model, head, remeasure: bool = False) -> CostProfile:
+    """The cached profile for this (model, dtype, device, threads, versions), else a fresh one."""
+    key = profile_key(model, head)
+    prof, cached = _cached(_cache_path(key), key, CostProfile.from_json, lambda: measure_profile(model, head), "cost profile", remeasure)
+    if cached:
+        rowgemm.install_plan(row_plan(prof.row_products))  # a fresh measurement installed it already
     return prof
 
 
@@ -419,21 +425,5 @@ def measure_batch_costs(model, head, depth: int = 3, top_k: int = 2, batches=BAT
 def load_or_measure_batch(model, head, depth: int = 3, top_k: int = 2, remeasure: bool = False) -> BatchCosts:
     """The cached batch grid for this (model, head, dtype, device, threads, versions, tree shape)."""
     key = batch_key(model, head, depth, top_k)
-    path = _cache_path(key).replace(".json", "-batch.json")
-    if not remeasure and os.path.isfile(path):
-        try:
-            with open(path) as f:
-                costs = BatchCosts.from_json(json.load(f))
-            if costs.key == key:
-                return costs
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            warnings.warn(f"ignoring the unreadable batch cost table {path} ({e}); measuring again", stacklevel=2)
-    costs = measure_batch_costs(model, head, depth, top_k)
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump(costs.to_json(), f, indent=1)
-        os.replace(path + ".tmp", path)
-    except OSError:
-        pass
-    return costs
+    return _cached(_cache_path(key).replace(".json", "-batch.json"), key, BatchCosts.from_json,
+                   lambda: measure_batch_costs(model, head, depth, top_k), "batch cost table", remeasure)[0]
