@@ -12,7 +12,6 @@ greedy `generate` and, for the batched rows, against HF's own batched output of 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import platform
 import subprocess
@@ -66,29 +65,15 @@ def hf_continuous(model, prompts, max_new, eos):
 
 
 def eagle_batched(rt, prompts, max_new, spec: str):
-    """spec: auto | BxN (N = 1: plain) | Bxauto."""
-    from eagle2_core.batched import Request
+    """spec: auto | BxN (N = 1: plain) | Bxauto; runs methods.BatchedEagle, what `compare --against batch:` runs."""
     from eagle2_core.events import GenerationSettings
+    from eagle2_core.methods import BatchedEagle
 
-    if spec == "auto":
-        b, n = None, None
-    else:
-        bs, ns = spec.split("x")
-        b, n = int(bs), (None if ns == "auto" else int(ns))
-    dec, info = rt.batch_decoder(len(prompts), b, n)
-    gen = GenerationSettings(max_new_tokens=max_new)
-    out = {}
-    if dec is None:  # the plan is batch 1 with a tree: the per-prompt decoder
-        d = rt.eagle()
-        t0 = time.perf_counter()
-        for i, p in enumerate(prompts):
-            out[i] = d.generate(p, gen)
-        return [out[i][0] for i in range(len(prompts))], time.perf_counter() - t0, info, [out[i][1] for i in range(len(prompts))], {}
-    q = collections.deque(Request(i, p, gen) for i, p in enumerate(prompts))
+    b, n = (None, None) if spec == "auto" else spec.split("x")
+    dec = BatchedEagle(rt, None if b is None else int(b), None if n in (None, "auto") else int(n))
     t0 = time.perf_counter()
-    dec.run(q, lambda k, toks, s: out.__setitem__(k, (toks, s)))
-    wall = time.perf_counter() - t0
-    return [out[i][0] for i in range(len(prompts))], wall, info, [out[i][1] for i in range(len(prompts))], dec.stats
+    res = dec.generate_many(prompts, [GenerationSettings(max_new_tokens=max_new)] * len(prompts))
+    return [t for t, _ in res], time.perf_counter() - t0, dec.plan, [s for _, s in res], dec.stats
 
 
 def main(argv=None) -> int:

@@ -19,7 +19,6 @@ every product. Which B and N pay on this machine is measured (`BatchCosts`, `pla
 """
 from __future__ import annotations
 
-import math
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -479,10 +478,6 @@ def expected_tokens(probs: torch.Tensor, calibration: float) -> torch.Tensor:
     return 1 + calibration * per.double().cpu()
 
 
-def ceil_pow2(n: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1, n))))
-
-
 # -- continuous batching over a queue of requests ----------------------------------------------
 
 @dataclass
@@ -503,6 +498,7 @@ class BatchPlanner:
         self.predicted = self.accepted = 0.0
         self.patience, self.plain_votes = patience, 0
         self.chosen: list[int] = []   # tree size of each speculative cycle
+        self._pending = None          # (predicted accepted tokens, n) of the cycle being verified
 
     @property
     def calibration(self) -> float:
@@ -527,9 +523,8 @@ class BatchPlanner:
         return n
 
     def observe(self, accepted_tokens: int) -> None:
-        pending = getattr(self, "_pending", None)
-        if pending is not None:
-            self.predicted += pending[0]
+        if self._pending is not None:
+            self.predicted += self._pending[0]
             self.accepted += accepted_tokens
             self._pending = None
 

@@ -64,9 +64,9 @@ def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=Non
 def share_wall(summaries: list, wall: float) -> None:
     """Batched methods answer all prompts in one run: each summary gets the run's wall time in
     proportion to its tokens, so a method's tokens/s is its total tokens over the run's time."""
-    total = sum(s.new_tokens for s in summaries) or len(summaries) or 1
-    for s in summaries:
-        s.wall_s = wall * (s.new_tokens or (0 if sum(x.new_tokens for x in summaries) else 1)) / total
+    total = sum(s.new_tokens for s in summaries)
+    for s in summaries:  # no tokens at all: an even split
+        s.wall_s = wall * (s.new_tokens / total if total else 1 / len(summaries))
 
 
 class BatchedEagle:
