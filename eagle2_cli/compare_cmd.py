@@ -59,6 +59,19 @@ def calibration_line(comp) -> str | None:
     return f"calibration: mean draft confidence {c / n:.3f}, acceptance {a / n:.3f}, gap {gap:.3f}, {verdict}{fix}"
 
 
+def divergence_text(d, decode) -> str:
+    """A difference's logit gap and verdict (divergence.py), for the line under the table."""
+    if d.gap is None:
+        return f"{d.note}; NOT a near-tie: a bug in eagle2, please report it"
+    tok = lambda t: repr(decode([t]))  # noqa: E731
+    f32 = f", {d.gap_float32:.3g} in float32" if d.gap_float32 is not None and d.dtype != "float32" else ""
+    text = (f"the target's scores for {tok(d.expected)} (vanilla) and {tok(d.got)} differ by {d.gap:.3g} in {d.dtype}{f32}; "
+            f"rounding there moves them by up to {d.tolerance:.3g}")
+    if d.near_tie:
+        return f"{text}: a near-tie, rounding decides it"
+    return f"{text}{'; ' + d.note if d.note else ''}: NOT a near-tie, a bug in eagle2, please report it"
+
+
 @click.command(epilog=EPILOG)
 @click.option("--vanilla/--no-vanilla", default=True, show_default=True,
               help="Run Hugging Face generate as the baseline (speedups and identical outputs are against it).")
@@ -87,7 +100,9 @@ def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, 
 
     Runs a warm-up, then every method on each prompt in turn. Reports tokens/s, speedup (total
     tokens over total time, and the mean of per-prompt ratios), tau, acceptance by depth and, at
-    temperature 0, how many outputs are identical. Without -f or --dataset, a built-in short set.
+    temperature 0, how many outputs are identical; for each that differs, the target's logit gap
+    at the first differing token and whether rounding explains it (a near-tie), or not: then it
+    is a bug, said in red, and the exit status is 1. Without -f or --dataset, a built-in short set.
     Greedy unless --temperature is given, even where the model's generation_config samples; its
     other settings (repetition penalty, ...) run on both sides, and the title and --json say which.
     """
@@ -150,10 +165,11 @@ def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, 
         task = progress.add_task("warm-up", total=len(items))
 
         def on_step(phase, i, item):
-            progress.update(task, description="warm-up" if phase == "warmup" else f"{'/'.join(methods)}", completed=i)
+            desc = {"warmup": "warm-up", "explain": "measuring the logit gaps where answers differ"}.get(phase, "/".join(methods))
+            progress.update(task, description=desc, **({} if phase == "explain" else {"completed": i}))
 
         comp = run_comparison(methods, items, rt.encode, rt.gen, baseline="vanilla" if vanilla else None,
-                              warmup_tokens=warmup_tokens, on_step=on_step, settings=settings)
+                              warmup_tokens=warmup_tokens, on_step=on_step, settings=settings, model=rt.model, tokenizer=rt.tokenizer)
 
     title = (f"{len(items)} prompt{'s' if len(items) != 1 else ''} from {source}, {rt.gen.max_new_tokens} new tokens max, "
              f"{rt.generation_label()}, tree {t.label()}")
@@ -163,7 +179,13 @@ def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, 
     if comp.greedy and vanilla:
         for name in methods:
             for item, i in comp.differences(name) if name != "vanilla" else []:
-                out.print(f"{name}: {item.key} {item.id!r} differs from vanilla from token {i}", style="yellow", markup=False, soft_wrap=True)
+                d = comp.divergences.get(name, {}).get(str(item.id))
+                line = f"{name}: {item.key} {item.id!r} differs from vanilla from token {i}"
+                if d is None:
+                    out.print(line, style="yellow", markup=False, soft_wrap=True)
+                else:
+                    out.print(f"{line}: {divergence_text(d, rt.decode)}", style="yellow" if d.near_tie else "bold red",
+                              markup=False, soft_wrap=True, highlight=False)
     elif vanilla:
         out.print("[dim]sampling: outputs are not expected to match token for token (same distribution, different draws)[/]")
     if line := step_times_line(comp):
@@ -181,5 +203,9 @@ def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, 
         except RuntimeError as e:
             raise click.ClickException(str(e)) from None
         err.print(f"wrote {plot_path}")
-    if bad:
+    bugs = sum(comp.tie_counts(name)[1] for name in comp.runs)
+    if bugs:  # after the JSON and plot: nothing measured is lost
+        error(err, f"{bugs} answer{'s differ' if bugs > 1 else ' differs'} from vanilla where the target's candidates are "
+                   "not within rounding of each other: a bug in eagle2, please report it with this command line")
+    if bad or bugs:
         raise click.exceptions.Exit(1)

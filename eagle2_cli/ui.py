@@ -138,10 +138,18 @@ def compare_table(comp, title: str) -> Table:
             "1.00x" if base else (f"{sp:.2f}x" if sp else "-"),
             "" if base else (f"{mean:.2f}x" if mean else "-"),
             f"{run.total.tau:.2f}" if run.speculative else "",
-            "" if base else ("-" if same is None else f"{same}/{n}"),
+            "" if base else ("-" if same is None else f"{same}/{n}" + ties_note(comp, name)),
             fmt_depths(run.total.acceptance_by_depth, 6) if run.speculative else "",
         )
     return t
+
+
+def ties_note(comp, name: str) -> str:
+    """What the differing answers are: " (2 near-ties)", or in red how many are not (a bug)."""
+    ties, others = comp.tie_counts(name)
+    if others:
+        return f" [bold red]({others} NOT near-tie{'s' if others > 1 else ''})[/]"
+    return f" ({ties} near-tie{'s' if ties > 1 else ''})" if ties else ""
 
 
 def step_times_line(comp) -> str:

@@ -24,11 +24,14 @@ def split_by_context(runtime, items: list[PromptItem]) -> tuple[list[PromptItem]
 
 def run_comparison(methods: dict[str, tuple[Decoder, bool]], items: list[PromptItem], encode: Callable[[list[dict]], list[int]],
                    gen: GenerationSettings, baseline: str | None = "vanilla", warmup_tokens: int = 8,
-                   on_step: Callable[[str, int, PromptItem | None], None] | None = None, settings: dict | None = None) -> Comparison:
+                   on_step: Callable[[str, int, PromptItem | None], None] | None = None, settings: dict | None = None,
+                   model=None, tokenizer=None) -> Comparison:
     """Run each method (name -> (decoder, speculative?)) on each item's first turn, after a warm-up.
 
     Methods alternate per prompt, so slow drifts (thermal, other load) hit them alike.
-    `on_step(phase, index, item)` reports progress: phase "warmup" or "prompt".
+    `on_step(phase, index, item)` reports progress: phase "warmup" or "prompt", then "explain"
+    while greedy differences are measured. `model` (the target): each greedy answer that differs
+    from the baseline's gets its logit gap and near-tie verdict (divergence.py).
     """
     encoded = [encode(it.messages) for it in items]
     runs = {name: MethodRun(name, speculative=spec) for name, (_, spec) in methods.items()}
@@ -60,7 +63,34 @@ def run_comparison(methods: dict[str, tuple[Decoder, bool]], items: list[PromptI
     if encoded and not gen.temperature:
         for name, (dec, spec) in methods.items():
             runs[name].ops_per_cycle = ops_per_cycle(dec, encoded[0], gen) if spec else None
-    return Comparison(items, runs, gen, baseline, settings or {})
+    comp = Comparison(items, runs, gen, baseline, settings or {})
+    if model is not None:
+        explain_differences(comp, encoded, model, tokenizer, on_step)
+    return comp
+
+
+def explain_differences(comp: Comparison, encoded: list[list[int]], model, tokenizer=None, on_step=None) -> None:
+    """comp.divergences[method][item id]: why each greedy answer that differs from the baseline's
+    does (divergence.py). The float32 copy of the model is made once, only if something differs."""
+    from .divergence import explain, float32_copy
+
+    if not comp.greedy or comp.baseline not in comp.runs:
+        return
+    base = comp.runs[comp.baseline].outputs
+    model32, why = None, None
+    for name in comp.runs:
+        if name == comp.baseline:
+            continue
+        index = {str(item.id): i for i, item in enumerate(comp.items)}
+        for item, tok in comp.differences(name):
+            i = index[str(item.id)]
+            if model32 is None and why is None:
+                if on_step:
+                    on_step("explain", 0, None)
+                model32, why = float32_copy(model)
+            comp.divergences.setdefault(name, {})[str(item.id)] = explain(
+                model, encoded[i], base[i], comp.runs[name].outputs[i], tok, apply_overrides(comp.gen, item.overrides),
+                tokenizer, model32, why)
 
 
 def backend_used(dec) -> str | None:

@@ -90,6 +90,7 @@ class Comparison:
     gen: GenerationSettings
     baseline: str | None = "vanilla"
     settings: dict = field(default_factory=dict)
+    divergences: dict = field(default_factory=dict)  # method -> item id -> divergence.Divergence (greedy differences)
 
     @property
     def greedy(self) -> bool:
@@ -131,6 +132,12 @@ class Comparison:
         if not self.greedy or not self.baseline or self.baseline not in self.runs:
             return None
         return len(self.items) - len(self.differences(name))
+
+    def tie_counts(self, name: str) -> tuple[int, int]:
+        """(near-ties, others) among `name`'s explained differences."""
+        ds = list(self.divergences.get(name, {}).values())
+        ties = sum(d.near_tie for d in ds)
+        return ties, len(ds) - ties
 
     def per_category(self, name: str) -> dict[str, dict]:
         cats: dict[str, list[int]] = {}
@@ -175,6 +182,9 @@ class Comparison:
             diffs = self.differences(name) if self.greedy else []
             if diffs:
                 d["first_difference"] = {str(item.id): i for item, i in diffs}
+            if self.divergences.get(name):  # each difference's logit gap and near-tie verdict
+                d["divergences"] = {k: v.to_json() for k, v in self.divergences[name].items()}
+                d["not_near_ties"] = sum(not v.near_tie for v in self.divergences[name].values())
         cats = self.per_category(name)
         if cats:
             d["per_category"] = cats
