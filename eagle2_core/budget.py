@@ -102,8 +102,13 @@ class BudgetChooser:
         self.prior = profile.verify_table(max_tokens)            # [max_tokens] ms by rows, float64, CPU
         self.obs_sum = torch.zeros(max_tokens, dtype=torch.float64)
         self.obs_n = torch.zeros(max_tokens, dtype=torch.float64)
-        # Drafting is counted in head steps (the absorb of the new pairs, then one per depth).
-        self.step_prior, self.draft_sum, self.steps_seen = float(step_ms), 0.0, 0
+        # Drafting costs a per-cycle overhead (top-k, pool bookkeeping, rerank, these choices)
+        # plus one head step per level (the absorb of the new pairs, then one per depth). Only the
+        # step is marginal: charging the whole cycle per step would make every level look as dear
+        # as a whole draft and keep trees at depth 1 (measured: issue 23). Both are fitted to the
+        # timed cycles (`draft_cost`), the step starting from the profile's measured head step.
+        self.step_prior = float(step_ms)
+        self.draft_n, self.draft_sums = 0, [0.0, 0.0, 0.0, 0.0]  # cycles; sums of steps, ms, steps^2, steps * ms
         self.counts = torch.zeros(3, bins, dtype=torch.float64)  # nodes, accepted, confidence sum (bin_counts)
         # The best child's own confidence (given its parent), averaged over expansions: how much
         # of a front node's path probability a deeper level is expected to keep.
@@ -111,6 +116,7 @@ class BudgetChooser:
         self.prior_cycles, self.prior_nodes = prior_cycles, prior_nodes
         self.learn_costs = True  # False: keep the profile's costs (tests that need a known cost table)
         self._table = None       # verify_table(), kept until the next observed cycle
+        self._fit = None         # draft_fit(), likewise
 
     def verify_table(self) -> torch.Tensor:
         if self._table is None:
@@ -123,21 +129,38 @@ class BudgetChooser:
         w = self.prior_cycles
         return (w * scale * self.prior + self.obs_sum) / (w + self.obs_n)
 
+    def draft_fit(self) -> tuple[float, float]:
+        """(overhead ms per cycle, ms per head step) fitted to the timed cycles: ridge regression of
+        draft ms on steps, the slope shrunk toward the profile's head step with `prior_cycles`
+        pseudo-cycles of unit step variance (so with cycles of one depth only, the step stays the
+        profile's) and the overhead toward 0 with as many pseudo-cycles."""
+        if self._fit is None:
+            w, n = self.prior_cycles, self.draft_n
+            s, y, ss, sy = self.draft_sums
+            sxx, sxy = (ss - s * s / n, sy - s * y / n) if n else (0.0, 0.0)  # centred sums
+            step = max(0.0, (w * self.step_prior + sxy) / (w + sxx))
+            self._fit = (max(0.0, (y - step * s) / (w + n)), step)
+        return self._fit
+
     def step_cost(self) -> float:
-        """ms of one draft step: the profile's, shrunk toward the steps this decoder timed."""
-        w = self.prior_cycles
-        return (w * self.step_prior + self.draft_sum) / (w + self.steps_seen)
+        """ms of one more draft step (the fitted slope)."""
+        return self.draft_fit()[1]
+
+    def draft_cost(self, steps: int) -> float:
+        """ms of a cycle's drafting with `steps` head steps: the fitted overhead plus the steps."""
+        overhead, step = self.draft_fit()
+        return overhead + steps * step
 
     def _rate(self, p: torch.Tensor, steps: int) -> float:
         """Best expected tokens per ms over prefixes of `p` (calibrated, highest first)."""
         p = p[: self.prior.numel() - 1]
         gain = expected_tokens(p)
-        return float((gain / (self.verify_table()[: p.numel() + 1] + steps * self.step_cost())).max())
+        return float((gain / (self.verify_table()[: p.numel() + 1] + self.draft_cost(steps))).max())
 
     def choose(self, path_probs_desc: torch.Tensor, steps: int) -> int:
         """Tree size (root included) for this cycle's reranked path probabilities, `steps` draft steps spent."""
         p = calibrate(path_probs_desc.double().cpu(), self.counts, self.prior_nodes)
-        return choose_budget(p[: self.prior.numel() - 1], self.verify_table(), steps * self.step_cost())
+        return choose_budget(p[: self.prior.numel() - 1], self.verify_table(), self.draft_cost(steps))
 
     def worth_expanding(self, pool_logp: torch.Tensor, front_logp: torch.Tensor, steps: int, remaining: int) -> bool:
         """Whether drafting deeper is expected to pay (depth chosen per cycle, like the size).
@@ -175,9 +198,10 @@ class BudgetChooser:
             if n <= self.obs_n.numel():
                 self.obs_sum[n - 1] += verify_ms
                 self.obs_n[n - 1] += 1
-            self.draft_sum += draft_ms
-            self.steps_seen += steps
-            self._table = None
+            self.draft_n += 1
+            for i, v in enumerate((steps, draft_ms, steps * steps, steps * draft_ms)):
+                self.draft_sums[i] += v
+            self._table = self._fit = None
         if path_probs.numel():
             self.counts += bin_counts(path_probs.double().cpu(), on_path.cpu(), self.counts.shape[1])
 

@@ -116,7 +116,9 @@ def test_budget_chooser_learns_costs_and_calibration_from_cycles():
         ch.observe(torch.tensor([0.5]), torch.tensor([1.0]), draft_ms=8.0, verify_ms=21.0, steps=2)
     t = ch.verify_table()
     assert t[1].item() == pytest.approx(21.0) and t[3].item() == pytest.approx(40.0)
-    assert ch.step_cost() == pytest.approx((4 * 2.0 + 12 * 8.0) / (4 + 24))
+    # All cycles took 2 steps: nothing tells the step from the overhead, so the step stays the
+    # profile's and the rest of the 8 ms is overhead, shrunk toward 0 with 4 pseudo-cycles.
+    assert ch.draft_fit() == pytest.approx(((12 * 8.0 - 2.0 * 24) / (4 + 12), 2.0))
     # An under-confident head: nodes at 0.1-0.2 accepted every other time. With that evidence a
     # larger tree pays where the uncorrected confidence would keep the root and one node.
     p = torch.tensor([0.55, 0.15, 0.15, 0.14, 0.13, 0.12, 0.11], dtype=torch.float64)
@@ -147,6 +149,29 @@ def test_depth_is_chosen_per_cycle_from_confidence_and_step_cost():
     assert not ch.worth_expanding(mid, mid, steps=1, remaining=1)
     fresh = BudgetChooser(prof, 8, step_ms=1.0)
     assert fresh.worth_expanding(mid, mid, steps=1, remaining=1)
+
+
+def test_draft_overhead_is_not_charged_per_step():
+    """A cycle's drafting is an overhead plus one head step per level; only the step is paid
+    again for a deeper level. Charging the whole draft per step (the old model: 10 ms cycles of
+    one step = 10 ms a level) made every level look dear and kept trees at depth 1."""
+    prof = fake_profile({1: 20.0, 2: 20.5, 8: 22.0}, draft=2.0)
+    ch = BudgetChooser(prof, 8, step_ms=2.0, prior_cycles=4)
+    for _ in range(60):  # depth-1 cycles: 8 ms of bookkeeping + the 2 ms absorb step
+        ch.observe(torch.tensor([0.5]), torch.tensor([1.0]), draft_ms=10.0, verify_ms=20.5, steps=1)
+    overhead, step = ch.draft_fit()
+    assert step == pytest.approx(2.0) and overhead == pytest.approx(60 * 8.0 / 64)
+    front = torch.log(torch.tensor([0.6, 0.3]))
+    assert ch.worth_expanding(front, front, steps=1, remaining=1)
+    # What the old model would decide: 10 ms a step.
+    old = BudgetChooser(fake_profile({1: 20.0, 2: 20.5, 8: 22.0}, draft=10.0), 8, step_ms=10.0)
+    assert not old.worth_expanding(front, front, steps=1, remaining=1)
+    # Cycles of several depths identify the step: 8 ms + 3 ms per step.
+    ch = BudgetChooser(prof, 8, step_ms=2.0, prior_cycles=4)
+    for steps in (1, 2, 3) * 40:
+        ch.observe(torch.tensor([0.5]), torch.tensor([1.0]), draft_ms=8.0 + 3.0 * steps, verify_ms=20.5, steps=steps)
+    overhead, step = ch.draft_fit()
+    assert 2.9 < step < 3.0 and 7.0 < overhead < 8.0 and ch.draft_cost(2) == pytest.approx(overhead + 2 * step)
 
 
 def test_profile_cache_remeasures_on_a_new_key_and_ignores_a_corrupt_file(tmp_path, monkeypatch, tiny_lm, fitted_head):
