@@ -71,26 +71,30 @@ def run_comparison(methods: dict[str, tuple[Decoder, bool]], items: list[PromptI
 
 def explain_differences(comp: Comparison, encoded: list[list[int]], model, tokenizer=None, on_step=None) -> None:
     """comp.divergences[method][item id]: why each greedy answer that differs from the baseline's
-    does (divergence.py). The float32 copy of the model is made once, only if something differs."""
+    does (divergence.py). The float32 copy of the model is made once, only if something differs,
+    and methods that part from the baseline at the same token the same way share one measurement."""
     from .divergence import explain, float32_copy
 
     if not comp.greedy or comp.baseline not in comp.runs:
         return
     base = comp.runs[comp.baseline].outputs
-    model32, why = None, None
+    index = {str(item.id): i for i, item in enumerate(comp.items)}
+    model32, why, seen = None, None, {}
     for name in comp.runs:
         if name == comp.baseline:
             continue
-        index = {str(item.id): i for i, item in enumerate(comp.items)}
         for item, tok in comp.differences(name):
             i = index[str(item.id)]
-            if model32 is None and why is None:
-                if on_step:
-                    on_step("explain", 0, None)
-                model32, why = float32_copy(model)
-            comp.divergences.setdefault(name, {})[str(item.id)] = explain(
-                model, encoded[i], base[i], comp.runs[name].outputs[i], tok, apply_overrides(comp.gen, item.overrides),
-                tokenizer, model32, why)
+            got = comp.runs[name].outputs[i]
+            key = (i, tok, got[tok] if tok < len(got) else None)
+            if key not in seen:
+                if model32 is None and why is None:
+                    if on_step:
+                        on_step("explain", 0, None)
+                    model32, why = float32_copy(model)
+                seen[key] = explain(model, encoded[i], base[i], got, tok, apply_overrides(comp.gen, item.overrides),
+                                    tokenizer, model32, why)
+            comp.divergences.setdefault(name, {})[str(item.id)] = seen[key]
 
 
 def backend_used(dec) -> str | None:

@@ -12,10 +12,10 @@ model's processors applied with the sequence so far), again with the whole prefi
 model. How far the first moves from each of the others is the rounding measured at this very
 position; the other decoder's own rounding is of the same size, so the two can flip the choice
 when the gap is within twice the larger of them. That is the tolerance, never under four units in
-the last place of the run's dtype at these logits (two roundings of up to two units each). (Measured on SmolLM2 in bfloat16, 12 MT-bench
-questions, five trees: all 48 differences lie within the tolerance, the largest at three
-quarters of it; with two units and the whole-prefix term alone, one of 84 was called a bug:
-a gap of 0.19 that the float32 copy puts at 0.08.)
+the last place of the run's dtype at these logits (two roundings of up to two units each).
+Measured on SmolLM2 in bfloat16, 12 MT-bench questions, five trees: all 48 differences lie
+within the tolerance, the largest at three quarters of it; with two units and the whole-prefix
+term alone, one of 84 was called a bug: a gap of 0.19 that the float32 copy puts at 0.08.
 """
 from __future__ import annotations
 

@@ -184,7 +184,7 @@ class Comparison:
                 d["first_difference"] = {str(item.id): i for item, i in diffs}
             if self.divergences.get(name):  # each difference's logit gap and near-tie verdict
                 d["divergences"] = {k: v.to_json() for k, v in self.divergences[name].items()}
-                d["not_near_ties"] = sum(not v.near_tie for v in self.divergences[name].values())
+                d["not_near_ties"] = self.tie_counts(name)[1]
         cats = self.per_category(name)
         if cats:
             d["per_category"] = cats
