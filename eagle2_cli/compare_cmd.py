@@ -87,6 +87,9 @@ def divergence_text(d, decode) -> str:
                    "graph and compiled (EAGLE-2 in graph mode: fixed shapes, uncaptured and captured), "
                    "generate-compiled (HF generate with a static cache and torch.compile), "
                    "batch:auto, batch:B or batch:BxN (eagle2 batched at B sequences, trees of N; N=1: plain).")
+@click.option("--plain/--no-plain", "plain", default=None,
+              help="Also run eagle2's own plain decoding (no draft, same kernels), so the speedup splits into kernels alone "
+                   "(plain over generate) and speculation alone (eagle2 over plain). Default: on where the model runs on a CPU.")
 @click.option("--assistant", default=None, metavar="MODEL", help="Small model for --against sps.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), default=None, help="Write the statistics as JSON ('-' for stdout).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="PNG: acceptance-length histogram and per-prompt speedup (needs matplotlib).")
@@ -95,7 +98,7 @@ def divergence_text(d, decode) -> str:
                    "cost; vanilla stays batch-1 generate, so identical counts are against it. See also --against batch:B[xN].")
 @click.option("--warmup-tokens", type=click.IntRange(min=0), default=8, show_default=True, help="Tokens per method in the warm-up run.")
 @common_options(max_new_tokens=128)
-def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, plot_path, batch_size, warmup_tokens, common):
+def compare(vanilla, input_path, dataset, limit, against, plain, assistant, json_path, plot_path, batch_size, warmup_tokens, common):
     """Compare EAGLE-2 with Hugging Face generate on the same prompts, in one process.
 
     Runs a warm-up, then every method on each prompt in turn. Reports tokens/s, speedup (total
@@ -150,7 +153,7 @@ def compare(vanilla, input_path, dataset, limit, against, assistant, json_path, 
 
         with status(err, f"Loading assistant {assistant}..."):
             helper = load_target(assistant, dtype=common.dtype, device=common.device, trust_remote_code=common.trust_remote_code).model
-    methods = build_methods(rt, against, vanilla=vanilla, assistant_model=helper, batch_size=batch_size)
+    methods = build_methods(rt, against, vanilla=vanilla, assistant_model=helper, batch_size=batch_size, plain=plain)
 
     t = rt.tree
     settings = {**rt.describe(), "source": source}

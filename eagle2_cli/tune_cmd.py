@@ -44,15 +44,43 @@ def tune(batch, json_path, common):
         out.print("lm_head ms by rows: " + ", ".join(f"{k}: {v:.2f}" for k, v in sorted(prof.lm_head_ms.items()))
                   + f"  -> greedy acceptance puts {'all tree rows in one product' if prof.rows_are_cheap(rt.tree.total_tokens) else 'internal rows first, then the leaf'}",
                   highlight=False)
-    if prof.row_products:
-        from eagle2_core.costs import row_plan
+    if prof.stream_floor_ms:
+        gbs = prof.weight_bytes / prof.stream_floor_ms / 1e6
+        out.print(f"stream floor: reading the {prof.weight_bytes / 1e6:.0f} MB of target weights once takes {prof.stream_floor_ms:.1f} ms "
+                  f"({gbs:.1f} GB/s); verify of 1 / 4 / 16 rows at "
+                  + " / ".join(f"{prof.verify_table(n)[-1] / prof.stream_floor_ms:.2f}x" for n in (1, 4, 16)) + " of it", highlight=False)
+    if prof.products:
+        from eagle2_core import rowgemm
+        from eagle2_core.costs import packing_spread, product_weights
 
-        for cls, label in (("body", "body-sized weights"), ("wide", "lm_head")):
-            if prof.row_products.get(cls):
-                out.print(f"{label} ms by rows, linear / W @ x.T: "
-                          + ", ".join(f"{n}: {a:.2f} / {b:.2f}" for n, (a, b) in sorted(prof.row_products[cls].items())), highlight=False)
-        out.print(f"few-row products take W @ x.T for {row_plan(prof.row_products).describe()}", highlight=False)
+        plan = prof.plan
+        kt = Table(title="products by weight shape: ms per run of that shape's weights (the chosen kernel in bold)")
+        kt.add_column("weight (out x in)")
+        kt.add_column("rows", justify="right")
+        kinds = sorted({k for by in prof.products.values() for t in by.values() for k in t})
+        for k in kinds:
+            kt.add_column(k, justify="right")
+        for key, by_rows in sorted(prof.products.items()):
+            for r, t in sorted(by_rows.items()):
+                pick = plan.kernels[key][rowgemm.bucket(r)]
+                pick = f"packed@{plan.pack_hint[key]}" if pick == "packed" else pick
+                kt.add_row(key, str(r), *[(f"[bold]{t[k]:.2f}[/]" if k == pick else f"{t[k]:.2f}") if k in t else "" for k in kinds])
+        out.print(kt)
+        out.print("plan: " + plan.describe().replace("\n", "; "), highlight=False)
+        packed = rowgemm.packed_bytes(product_weights(rt.model, rt.head))
+        spread = packing_spread(prof.products, plan)
+        if packed:
+            out.print(f"packed weights: {packed / 1e6:.0f} MB beside the model's own (one packing per weight; "
+                      + ", ".join(f"{k} within {100 * (v - 1):.0f}% of the best packing at every row count" for k, v in spread.items()) + ")",
+                      highlight=False)
     data = prof.to_json()
+    data["verify_over_stream_floor"] = ({str(n): round(ms / prof.stream_floor_ms, 3) for n, ms in sorted(prof.verify_ms.items())}
+                                        if prof.stream_floor_ms else None)
+    if prof.products:
+        from eagle2_core import rowgemm
+        from eagle2_core.costs import product_weights
+
+        data["packed_bytes"] = rowgemm.packed_bytes(product_weights(rt.model, rt.head))
     if batch:
         from eagle2_core.batched import plan, prior_expected
         from eagle2_core.costs import BATCH_TREES, load_or_measure_batch

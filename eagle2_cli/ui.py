@@ -119,6 +119,9 @@ def compare_table(comp, title: str) -> Table:
     t.add_column("tokens/s", justify="right")
     t.add_column("speedup\n(total)", justify="right")
     t.add_column("speedup\n(mean)", justify="right")
+    split = "plain" in comp.runs
+    if split:  # speculation alone: over eagle2's own plain decoding (same kernels)
+        t.add_column("over own\nplain", justify="right")
     t.add_column("tau", justify="right")
     t.add_column("identical", justify="right")
     t.add_column("acceptance by depth")
@@ -129,14 +132,18 @@ def compare_table(comp, title: str) -> Table:
         label = name
         if (run.backend_used or "").startswith("eager (capture failed"):
             label += " (uncaptured)"
-        if run.plan:  # a batched method: what it ran as
+        if name == "plain":
+            label = "plain (eagle2, no draft)"
+        elif run.plan:  # a batched method: what it ran as
             tree = run.plan.get("tree_tokens")
             label += f" (batch {run.plan.get('batch_size')}, " + ("plain" if tree == 1 else f"tree {tree}") + ")"
+        op = comp.over_plain(name) if split else None
         t.add_row(
             label,
             f"{run.tokens_per_s:.1f}",
             "1.00x" if base else (f"{sp:.2f}x" if sp else "-"),
             "" if base else (f"{mean:.2f}x" if mean else "-"),
+            *([("1.00x" if name == "plain" else f"{op:.2f}x" if op else "")] if split else []),
             f"{run.total.tau:.2f}" if run.speculative else "",
             "" if base else ("-" if same is None else f"{same}/{n}" + ties_note(comp, name)),
             fmt_depths(run.total.acceptance_by_depth, 6) if run.speculative else "",

@@ -41,7 +41,8 @@ def run_comparison(methods: dict[str, tuple[Decoder, bool]], items: list[PromptI
         wg = dataclasses.replace(gen, max_new_tokens=warmup_tokens)
         for dec, _ in methods.values():
             dec.generate(encoded[0], wg)
-    whole = {name for name, (dec, _) in methods.items() if hasattr(dec, "generate_many")}  # batched: all prompts at once
+    whole = {name for name, (dec, _) in methods.items()  # batched: all prompts at once
+             if hasattr(dec, "generate_many") and not getattr(dec, "per_prompt", False)}
     for i, (item, ids) in enumerate(zip(items, encoded)):
         g = apply_overrides(gen, item.overrides)
         for name, (dec, _) in methods.items():

@@ -24,9 +24,11 @@ from . import rowgemm
 VERIFY_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64)
 DRAFT_ROWS = (1, 2, 4, 8, 10)
 LM_HEAD_ROWS = (1, 2, 4, 8, 16, 32, 64)
-PROFILE_VERSION = 4  # 2: lm_head alone by rows (decides greedy acceptance's lm_head plan and the default tree);
+PROFILE_VERSION = 5  # 2: lm_head alone by rows (decides greedy acceptance's lm_head plan and the default tree);
                      # 3: every size to 8, timed in interleaved rounds (median), so drift hits all sizes alike;
-                     # 4: rowgemm's few-row products against linear by rows (row_products), measured first
+                     # 4: rowgemm's few-row products against linear by rows (row_products), measured first;
+                     # 5: every kernel (linear, transposed, oneDNN packed) per weight shape and rows (products),
+                     #    and the time to stream the weights once (stream_floor_ms)
 CONTEXT = 64  # committed tokens in the cache while measuring: a typical short prompt
 
 
@@ -36,8 +38,15 @@ class CostProfile:
     verify_ms: dict[int, float]             # rows -> ms of one target forward over that many tree rows
     draft_ms: dict[int, float]              # rows -> ms of one draft step over that many nodes
     lm_head_ms: dict[int, float] = field(default_factory=dict)  # rows -> ms of the target's lm_head alone
-    row_products: dict = field(default_factory=dict)  # {"body"|"wide": {rows: [linear ms, transposed ms]}} (rowgemm)
+    products: dict = field(default_factory=dict)  # {shape key: {rows: {kernel: ms}}} (rowgemm's candidates)
+    stream_floor_ms: float | None = None    # reading every target weight once: what no verify can beat
+    weight_bytes: int = 0                   # the target's weights, read by every forward
     measured_at: float = field(default_factory=time.time)
+
+    @property
+    def plan(self):
+        """rowgemm's product plan from the measured kernels (product_plan)."""
+        return product_plan(self.products)
 
     def verify_table(self, n_max: int) -> torch.Tensor:
         """ms for every n = 1 .. n_max, linear between measured sizes (and beyond the last)."""
@@ -75,7 +84,8 @@ class CostProfile:
         d["verify_ms"] = {str(k): round(v, 3) for k, v in self.verify_ms.items()}
         d["draft_ms"] = {str(k): round(v, 3) for k, v in self.draft_ms.items()}
         d["lm_head_ms"] = {str(k): round(v, 3) for k, v in self.lm_head_ms.items()}
-        d["row_products"] = {c: {str(k): [round(a, 3), round(b, 3)] for k, (a, b) in v.items()} for c, v in self.row_products.items()}
+        d["products"] = {c: {str(k): {kn: round(ms, 3) for kn, ms in v.items()} for k, v in by.items()} for c, by in self.products.items()}
+        d["plan"] = self.plan.to_json()
         return d
 
     @classmethod
@@ -83,7 +93,8 @@ class CostProfile:
         return cls(key=d["key"], verify_ms={int(k): float(v) for k, v in d["verify_ms"].items()},
                    draft_ms={int(k): float(v) for k, v in d["draft_ms"].items()},
                    lm_head_ms={int(k): float(v) for k, v in d.get("lm_head_ms", {}).items()}, measured_at=float(d.get("measured_at", 0)),
-                   row_products={c: {int(k): [float(a), float(b)] for k, (a, b) in v.items()} for c, v in d.get("row_products", {}).items()})
+                   products={c: {int(k): {kn: float(ms) for kn, ms in v.items()} for k, v in by.items()} for c, by in d.get("products", {}).items()},
+                   stream_floor_ms=d.get("stream_floor_ms"), weight_bytes=int(d.get("weight_bytes", 0)))
 
 
 def _table(points: dict[int, float], n_max: int) -> torch.Tensor:
@@ -158,9 +169,13 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
 
     run = TargetRunner(model)
     dev = run.device
-    # First where rowgemm's transposed product pays: every timing below runs under that plan.
-    row_products = measure_row_products(run, reps=reps)
-    rowgemm.install_plan(row_plan(row_products))
+    # First which kernel each product takes (rowgemm.py): every timing below runs under that plan,
+    # with its packings made, as a generation will run.
+    weights = product_weights(model, head)
+    products = measure_products(weights, reps=reps)
+    rowgemm.install_plan(product_plan(products))
+    rowgemm.prepare(weights)
+    floor_ms, weight_bytes = measure_stream_floor(model, reps)
     # Stay inside the model's context: no position at or past max_position_embeddings is run
     # (a short-context model measures fewer tree sizes; the table extrapolates beyond them).
     context = min(CONTEXT, run.max_positions // 2)
@@ -203,71 +218,114 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
         return step
 
     draft = _timed({k: draft_fn(k) for k in draft_rows}, reps)
-    return CostProfile(key=profile_key(model, head), verify_ms=verify, draft_ms=draft, lm_head_ms=lm_head, row_products=row_products)
+    return CostProfile(key=profile_key(model, head), verify_ms=verify, draft_ms=draft, lm_head_ms=lm_head, products=products,
+                       stream_floor_ms=floor_ms, weight_bytes=weight_bytes)
 
 
-# -- rowgemm's plan: where `W @ x.T` beats `linear`, by rows ----------------------------------
-ROW_TRIALS_BODY = (1, 2, 3, 4, 6, 8, 12, 16)      # body-sized weights: linear catches up within a tree's rows
-ROW_TRIALS_WIDE = (1, 2, 4, 8, 16, 32, 64)        # the lm_head: the transposed form was seen winning to 64
-BODY_SAMPLE_BYTES = 128 << 20  # body weights timed per product: past the caches, streamed as a forward streams them
-ROW_WIN = 0.97  # transposed counts as faster only below this share of linear's time: a tie (one row on the
+# -- rowgemm's plan: which kernel each product takes, by weight shape and rows ---------------
+PRODUCT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # rows timed (rowgemm.ROW_BUCKETS between them follow the next one up)
+PACK_HINTS = (1, 16)          # oneDNN packings tried per shape; the plan keeps one (no second packing per row count)
+SAMPLE_BYTES = 64 << 20       # weights of a shape timed per product: past the caches, streamed as a forward streams them
+ROW_WIN = 0.97  # another kernel replaces linear only below this share of linear's time: a tie (one row on the
                 # AVX-512 Zen 5 measured 33.1 vs 33.4 ms) stays with linear rather than flip with the noise
 
 
-def measure_row_products(run, reps: int = 5) -> dict:
-    """{"body"|"wide": {rows: [linear ms, transposed ms]}} for this machine and model: body-sized
-    weights as a run of the target's own linears (up to BODY_SAMPLE_BYTES of them, so the
-    product streams from memory as in a forward), vocabulary-sized as its lm_head. Empty where
-    rowgemm never applies (not float32, not a CPU). Timed in interleaved rounds like the rest."""
-    w_out = run.lm_head.weight
-    if w_out.device.type != "cpu" or w_out.dtype != torch.float32:
-        return {}
-    body, size = [], 0
-    for m in run.cpu_linears:
-        if m.weight.shape[0] < rowgemm.WIDE and size < BODY_SAMPLE_BYTES:
-            body.append(m.weight)
-            size += m.weight.numel() * 4
-    groups = {"body": (body, ROW_TRIALS_BODY)}
-    if w_out.shape[0] >= rowgemm.WIDE:
-        groups["wide"] = ([w_out], ROW_TRIALS_WIDE)
-    g = torch.Generator().manual_seed(0)
-    inputs = {n: torch.randn(max(ROW_TRIALS_WIDE), n, generator=g) for n in {w.shape[1] for ws, _ in groups.values() for w in ws}}
-    out = {}
-    with torch.no_grad():
-        for cls, (weights, trials) in groups.items():
-            if not weights:
-                continue
-            fns = {}
-            for n in trials:
-                fns[(n, 0)] = lambda n=n, ws=weights: [F.linear(inputs[w.shape[1]][:n], w) for w in ws]
-                fns[(n, 1)] = lambda n=n, ws=weights: [rowgemm.transposed_product(inputs[w.shape[1]][:n], w) for w in ws]
-            ms = _timed(fns, reps)
-            out[cls] = {n: [ms[(n, 0)], ms[(n, 1)]] for n in trials}
+def product_weights(model, head) -> list[torch.Tensor]:
+    """Every weight our forwards put through rowgemm: the target's CPU linears (body and
+    lm_head) and the draft head's, each once (a tied lm_head is the embedding's tensor)."""
+    from .target import TargetRunner
+
+    run = TargetRunner(model)
+    ws = [m.weight for m in run.cpu_linears]
+    if type(run.lm_head) is torch.nn.Linear:
+        ws.append(run.lm_head.weight)
+    if head is not None:
+        ws += [m.weight for m in rowgemm.plain_linears(head)]
+        try:  # an EAGLE-1/2 head scores with the target's lm_head (pruned or not) once bound to it
+            extra = head.lm_head.weight if getattr(head, "kind", "") == "eagle3" else head.draft_lm_head
+        except (AttributeError, TypeError):  # not bound to a target yet
+            extra = None
+        if isinstance(extra, torch.Tensor):
+            ws.append(extra)
+    seen, out = set(), []
+    for w in ws:
+        if id(w) not in seen and rowgemm.eligible(w):
+            seen.add(id(w))
+            out.append(w)
     return out
 
 
-def row_plan(row_products: dict) -> rowgemm.RowPlan:
-    """The plan from measured (linear, transposed) pairs: one row transposed where that was
-    faster (by ROW_WIN), and 2 rows up to the last size of an unbroken run of transposed wins
-    from 2 (a size not measured between two wins counts as one). Vocabulary-sized weights follow
-    the body's plan where the target has none (a small vocabulary)."""
-    def wins(pair) -> bool:
-        return pair[1] < ROW_WIN * pair[0]
+def measure_products(weights: list[torch.Tensor], rows=PRODUCT_ROWS, reps: int = 5) -> dict:
+    """{shape key: {rows: {kernel: ms}}} for this machine: each distinct weight shape timed as a
+    run of the model's own weights of that shape (up to SAMPLE_BYTES, so the product streams
+    from memory as in a forward), by every kernel torch offers here: `linear`, `transposed`, and
+    `packed@H` for each packing hint H where oneDNN's packed linear exists. Empty on GPUs."""
+    groups: dict[str, list[torch.Tensor]] = {}
+    for w in weights:
+        if rowgemm.eligible(w):
+            group = groups.setdefault(rowgemm.shape_key(w), [])
+            if sum(x.numel() * x.element_size() for x in group) < SAMPLE_BYTES:
+                group.append(w.detach())
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    with torch.no_grad():
+        for key, ws in groups.items():
+            x = torch.randn(max(rows), ws[0].shape[1], generator=g).to(ws[0].dtype)
+            fns = {}
+            for n in rows:
+                fns[(n, "linear")] = lambda n=n, ws=ws: [F.linear(x[:n], w) for w in ws]
+                fns[(n, "transposed")] = lambda n=n, ws=ws: [rowgemm.transposed_product(x[:n], w) for w in ws]
+            if rowgemm.HAVE_PACKED:
+                for h in PACK_HINTS:
+                    ps = [rowgemm.pack(w, h) for w in ws]
+                    for n in rows:
+                        fns[(n, f"packed@{h}")] = lambda n=n, ps=ps: [rowgemm.packed_product(x[:n], p) for p in ps]
+            ms = _timed(fns, reps)
+            out[key] = {n: {k: t for (m, k), t in ms.items() if m == n} for n in rows}
+    return out
 
-    def plan(pairs: dict) -> tuple[bool, int]:
-        one = 1 in pairs and wins(pairs[1])
-        top = 0
-        for n in sorted(k for k in pairs if k >= 2):
-            if not wins(pairs[n]):
-                break
-            top = n
-        return one, top
 
-    if not row_products.get("body"):
-        return rowgemm.RowPlan()
-    body_one, body_max = plan(row_products["body"])
-    wide_one, wide_max = plan(row_products["wide"]) if row_products.get("wide") else (body_one, body_max)
-    return rowgemm.RowPlan(body_one, body_max, wide_one, wide_max)
+def product_plan(products: dict) -> rowgemm.ProductPlan:
+    """The plan from measured kernels: per shape, the one packing hint that does best over all
+    row counts (by the sum of its ratios to the fastest), then per row count the fastest of
+    linear, transposed and that packing, linear keeping ties (ROW_WIN). Row buckets not timed
+    follow the next timed count up."""
+    kernels, hints = {}, {}
+    for key, by_rows in products.items():
+        rows = sorted(by_rows)
+        packed = sorted({k for r in rows for k in by_rows[r] if k.startswith("packed@")}) if rowgemm.HAVE_PACKED else []
+        best = {r: min(by_rows[r].values()) for r in rows}
+        hint = min(packed, key=lambda k: sum(by_rows[r][k] / best[r] for r in rows)) if packed else None
+        chosen = {}
+        for r in rows:
+            t = by_rows[r]
+            cands = {"transposed": t["transposed"], **({"packed": t[hint]} if hint else {})}
+            name = min(cands, key=cands.get)
+            chosen[r] = name if cands[name] < ROW_WIN * t["linear"] else "linear"
+        kernels[key] = {b: chosen[next((r for r in rows if r >= b), rows[-1])] for b in rowgemm.ROW_BUCKETS}
+        if hint and "packed" in kernels[key].values():
+            hints[key] = int(hint.split("@")[1])
+    return rowgemm.ProductPlan(kernels, hints)
+
+
+def packing_spread(products: dict, plan: rowgemm.ProductPlan) -> dict[str, float]:
+    """Per packed shape, how far its one packing is from the best packing at any row count
+    (1.05 = 5% slower somewhere): whether one packing serves all row counts."""
+    out = {}
+    for key, hint in plan.pack_hint.items():
+        out[key] = max(t[f"packed@{hint}"] / min(v for k, v in t.items() if k.startswith("packed@")) for t in products[key].values())
+    return out
+
+
+def measure_stream_floor(model, reps: int = 5) -> tuple[float | None, int]:
+    """(ms to read every target weight once, their bytes): each weight summed, a pure streaming
+    read. A verify cannot beat it; how close verify gets is what the kernels are worth."""
+    ps = {id(p): p for p in model.parameters()}
+    ws = [p.detach() for p in ps.values() if p.is_floating_point()]
+    if not ws or ws[0].device.type != "cpu":
+        return None, sum(w.numel() * w.element_size() for w in ws)
+    ms = _timed({"stream": lambda: [w.sum() for w in ws]}, reps)["stream"]
+    return ms, sum(w.numel() * w.element_size() for w in ws)
 
 
 def _cache_path(key: dict) -> str:
@@ -303,7 +361,8 @@ def load_or_measure(model, head, remeasure: bool = False) -> CostProfile:
     key = profile_key(model, head)
     prof, cached = _cached(_cache_path(key), key, CostProfile.from_json, lambda: measure_profile(model, head), "cost profile", remeasure)
     if cached:
-        rowgemm.install_plan(row_plan(prof.row_products))  # a fresh measurement installed it already
+        rowgemm.install_plan(prof.plan)  # a fresh measurement installed it already
+        rowgemm.prepare(product_weights(model, head))
     return prof
 
 

@@ -19,16 +19,26 @@ def parse_tree_spec(name: str) -> tuple[int, int, int] | None:
     return tuple(int(g) for g in m.groups()) if m else None
 
 
-def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=None, batch_size: int | None = None) -> dict[str, tuple[Decoder, bool]]:
+PLAIN = "plain"  # eagle2's own plain decoding: the engine with a one-node tree, same kernels, no draft
+
+
+def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=None, batch_size: int | None = None,
+                  plain: bool | None = None) -> dict[str, tuple[Decoder, bool]]:
     """name -> (decoder, speculative?) for a comparison: vanilla HF generate, EAGLE-2, and extra baselines:
     pld (HF prompt lookup, 10 tokens), sps (HF assisted generation with `assistant_model`), static/chain
     (our EAGLE-1 tree and chain draft shapes with the same head), tree:N/D/K (the dynamic tree with another
     budget: total tokens / depth / top-k), so tree sizes can be swept against one shared baseline; graph and
     compiled (EAGLE-2 in graph mode, uncaptured and captured: graphcycle.py), generate-compiled (HF generate
-    with a static cache and torch.compile, the strongest plain decoding transformers offers)."""
+    with a static cache and torch.compile, the strongest plain decoding transformers offers).
+    `plain` (None: on where the target runs on a CPU): eagle2's own plain decoding, so a speedup
+    splits into kernels alone (plain over generate) and speculation alone (eagle2 over plain)."""
     methods: dict[str, tuple[Decoder, bool]] = {}
     if vanilla:
         methods["vanilla"] = (runtime.vanilla(), False)
+    if plain is None:
+        plain = runtime.model.get_output_embeddings().weight.device.type == "cpu"
+    if plain:
+        methods[PLAIN] = (BatchedEagle(runtime, 1, 1), False)
     # --batch-size N: the eagle2 row is the batched decoder at N sequences (the tree chosen by cost)
     methods["eagle2"] = (BatchedEagle(runtime, batch_size) if batch_size else runtime.eagle(record_confidence=True), True)
     constant_tree = runtime.constant_tree or runtime.tree
@@ -83,9 +93,29 @@ class BatchedEagle:
         # What ran (compare's backend_used): the batched cycle is never captured; where the plan
         # falls back to the per-prompt decoder, that decoder's own backend and capture failure.
         self.compile, self.capture_failure = None, None
+        self._single = None
+
+    @property
+    def per_prompt(self) -> bool:
+        """One sequence, no tree (`plain`): compare runs it prompt by prompt, interleaved with the
+        other methods like `generate`, each answer timed on its own."""
+        return self.batch == 1 and self.tree_tokens == 1
 
     def generate(self, ids, gen):
-        return self.generate_many([ids], [gen])[0]
+        if not self.per_prompt:
+            return self.generate_many([ids], [gen])[0]
+        import collections
+
+        from .batched import Request
+
+        if self._single is None:  # built once: its end-of-turn ids are read from the tokenizer once
+            from .target import model_eos_ids
+
+            self._single, self.plan = self.runtime.batch_decoder(1, 1, 1)
+            self._single.eos_ids = model_eos_ids(self.runtime.model, self.runtime.tokenizer)
+        out = {}
+        self._single.run(collections.deque([Request(0, ids, gen)]), lambda k, toks, s: out.__setitem__(k, (toks, s)))
+        return out[0]
 
     def generate_many(self, ids_list: list[list[int]], gens: list) -> list:
         import collections

@@ -1,66 +1,147 @@
 """`x @ weight.T` for the handful of rows a draft tree puts through a product, at memory speed.
 
 Speculative decoding turns one-row products (a plain decoding step) into few-row ones: the
-verify pass has one row per tree node, each draft step one row per expanded node. On CPUs,
-MKL/oneDNN's float32 `linear(x, W)` with a few rows can run far below memory speed, where
-`W @ x.T` (a tall-skinny product that streams W through once) does not. On the 2-core AMD EPYC
-(AVX2) development machine, SmolLM2's lm_head took 12 ms for one row with `linear` but 26-40 ms
-for 2-32 rows, against 8-30 ms for `W @ x.T`; on a Zen 4 even the one-row `linear` was the slow
-one (lm_head 10.1 ms for one row against 4.4 ms for two). So where the transposed form wins,
-and up to how many rows, is not a constant: the cost profile measures it once per machine and
-model (costs.measure_row_products) and installs the resulting `RowPlan` here; until one is
-installed every product is a plain `linear`.
+verify pass has one row per tree node, each draft step one row per expanded node. EAGLE-2's
+dynamic tree (section 4) pays only where a few more rows cost little more than one, and on CPUs
+the default `F.linear` is far from that: fp32 GEMM goes to MKL, whose few-row paths ran at
+4-10 GB/s on AMD EPYCs where the memory gives ~28 (docs/benchmarks.md). torch itself ships
+faster kernels for the same product, so which one runs is a *plan*, measured per machine:
 
-Only the order of the float32 additions changes, as it does between any one-row and multi-row
-product (README: what "identical" means). Other dtypes and devices keep `linear`.
+- `linear`: `F.linear`, what Hugging Face `generate` runs.
+- `transposed`: `W @ x.T`, a tall-skinny product that streams W once (MKL's other path).
+- `packed`: oneDNN's linear on a weight reordered once into its blocked layout
+  (`mkldnn._reorder_linear_weight`, the op inductor's weight prepacking emits). Private ops:
+  probed at import, and the plan never offers them where they are missing or fail.
+
+The plan (`ProductPlan`) gives a kernel per weight shape, dtype and row bucket, measured by
+the cost profile (costs.measure_products) and installed here; every packing is made once, at
+load (`prepare`), with one packing per weight whatever the rows. Until a plan is installed every
+product is `linear`. `EAGLE2_KERNEL=linear|transposed|packed` forces one kernel everywhere
+(tests run each in turn; also a way to rule kernels out when chasing a difference).
+
+Only the order of the additions changes, as it does between any one-row and multi-row product
+(README: what "identical" means). GPUs, other dtypes and training keep `linear`.
 """
 from __future__ import annotations
 
+import os
+import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-WIDE = 8192  # output features from which a weight counts as vocabulary-sized (a shape class, not a timing)
+KERNELS = ("linear", "transposed", "packed")
+ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # a product of r rows follows the first bucket >= r
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _probe_packed() -> bool:
+    """Whether this torch build has oneDNN's packed linear and it runs (a private op may go)."""
+    try:
+        mk = torch.ops.mkldnn
+        if not (torch.backends.mkldnn.is_available() and hasattr(mk, "_reorder_linear_weight") and hasattr(mk, "_linear_pointwise")):
+            return False
+        w = torch.randn(8, 16)
+        x = torch.randn(2, 16)
+        got = mk._linear_pointwise(x, mk._reorder_linear_weight(w, 2), None, "none", [], "")
+        return bool(torch.allclose(got, F.linear(x, w), rtol=1e-4, atol=1e-4))
+    except Exception:  # noqa: BLE001 - any failure means: not offered
+        return False
+
+
+HAVE_PACKED = _probe_packed()
+
+
+def shape_key(weight: torch.Tensor) -> str:
+    """The plan's key of a weight: "out x in dtype", e.g. "576x1536 float32"."""
+    return f"{weight.shape[0]}x{weight.shape[1]} {str(weight.dtype).replace('torch.', '')}"
+
+
+def bucket(rows: int) -> int:
+    return next((b for b in ROW_BUCKETS if b >= rows), ROW_BUCKETS[-1])
 
 
 @dataclass(frozen=True)
-class RowPlan:
-    """Row counts at which `W @ x.T` was measured faster than `linear` on this machine, for
-    body-sized and vocabulary-sized weights: one row where `*_one`, and 2 .. `*_max` rows (none
-    where the max is below 2)."""
-    body_one: bool = False
-    body_max: int = 0
-    wide_one: bool = False
-    wide_max: int = 0
+class ProductPlan:
+    """{shape key: {row bucket: kernel}} and, per shape that packs, the row count its one
+    packing was made for (oneDNN's batch-size hint). `everywhere`: one kernel for every shape
+    and row count instead (EAGLE2_KERNEL; tests force each kernel in turn)."""
+    kernels: dict = field(default_factory=dict)
+    pack_hint: dict = field(default_factory=dict)
+    everywhere: str | None = None
 
-    def transposed(self, rows: int, out_features: int) -> bool:
-        one, top = (self.wide_one, self.wide_max) if out_features >= WIDE else (self.body_one, self.body_max)
-        return one if rows == 1 else 2 <= rows <= top
+    def kernel(self, rows: int, weight: torch.Tensor) -> str:
+        if self.everywhere:
+            return self.everywhere
+        by_rows = self.kernels.get(shape_key(weight))
+        return by_rows.get(bucket(rows), "linear") if by_rows else "linear"
+
+    def packs(self, key: str) -> bool:
+        if self.everywhere:
+            return self.everywhere == "packed"
+        return any(k == "packed" for k in self.kernels.get(key, {}).values())
 
     def describe(self) -> str:
-        def span(one: bool, top: int) -> str:
-            lo = 1 if one else 2
-            if top < 2:
-                return "1 row" if one else "never"
-            return f"{lo}-{top} rows"
-        return f"body-sized weights {span(self.body_one, self.body_max)}, vocabulary-sized {span(self.wide_one, self.wide_max)}"
+        """One line per shape: which kernel at which rows ("1-4 packed, 6-64 linear")."""
+        if self.everywhere:
+            return f"{self.everywhere} everywhere (forced)"
+        lines = []
+        for key, by_rows in sorted(self.kernels.items()):
+            spans, start = [], None
+            rows = sorted(by_rows)
+            for i, r in enumerate(rows):
+                start = r if start is None else start
+                if i + 1 == len(rows) or by_rows[rows[i + 1]] != by_rows[r]:
+                    spans.append(f"{start}{'' if start == r else f'-{r}'} {by_rows[r]}")
+                    start = None
+            lines.append(f"{key}: {', '.join(spans)}")
+        return "\n".join(lines) or "linear everywhere (nothing measured)"
+
+    def to_json(self) -> dict:
+        return {"kernels": {k: {str(r): v for r, v in by.items()} for k, by in self.kernels.items()}, "pack_hint": dict(self.pack_hint)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ProductPlan":
+        """A stored plan; a packed choice this torch cannot run reads as linear (a private op gone)."""
+        kernels = {k: {int(r): (v if v in KERNELS and (v != "packed" or HAVE_PACKED) else "linear") for r, v in by.items()}
+                   for k, by in (d or {}).get("kernels", {}).items()}
+        return cls(kernels, {k: int(v) for k, v in (d or {}).get("pack_hint", {}).items()})
 
 
-PLAN = RowPlan()  # nothing measured yet: `linear` everywhere
+def forced(kernel: str) -> ProductPlan:
+    """A plan that takes `kernel` for every shape and row count."""
+    if kernel not in KERNELS:
+        raise ValueError(f"EAGLE2_KERNEL: unknown kernel {kernel!r}; choose from {', '.join(KERNELS)} or measured")
+    if kernel == "packed" and not HAVE_PACKED:
+        raise ValueError("EAGLE2_KERNEL=packed: this torch build has no oneDNN packed linear")
+    return ProductPlan(everywhere=kernel)
 
 
-def install_plan(plan: RowPlan) -> None:
-    """Make `plan` the one every product follows (costs.load_or_measure calls this)."""
+def env_forced() -> ProductPlan | None:
+    name = os.environ.get("EAGLE2_KERNEL", "").strip().lower()
+    return forced(name) if name and name != "measured" else None
+
+
+PLAN: ProductPlan = ProductPlan()  # nothing measured yet: `linear` everywhere
+# id(weight) -> (weak reference to it, its _version when packed, the packing): made by `prepare`
+# only, never on the fly, so a temporary weight (a dtype cast) cannot make a packing per call.
+# The weak reference tells a reused id from the weight it was made for.
+_PACKED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def install_plan(plan: ProductPlan) -> None:
+    """Make `plan` the one every product follows (costs.load_or_measure calls this);
+    EAGLE2_KERNEL, where set, wins over any measured plan."""
     global PLAN
-    PLAN = plan
+    PLAN = env_forced() or plan
 
 
 @contextmanager
-def using_plan(plan: RowPlan):
-    """`plan` inside the block only (tests; measuring a profile under a trial plan)."""
+def using_plan(plan: ProductPlan):
+    """`plan` inside the block only (tests; measuring under a trial plan)."""
     global PLAN
     before, PLAN = PLAN, plan
     try:
@@ -69,14 +150,60 @@ def using_plan(plan: RowPlan):
         PLAN = before
 
 
-def transposed_is_faster(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Float32 on a CPU, inference, and a row count the installed plan measured faster transposed."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or x.dtype != torch.float32:
-        return False
-    if weight.dim() != 2 or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)):
-        return False
-    rows = x.numel() // max(1, x.shape[-1])
-    return PLAN.transposed(rows, weight.shape[0])
+def eligible(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype in DTYPES and weight.dim() == 2
+
+
+def pack(weight: torch.Tensor, hint: int = 16) -> torch.Tensor:
+    """oneDNN's blocked copy of `weight` for its linear, made for `hint` rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), hint)
+
+
+def prepare(weights, plan: ProductPlan | None = None) -> int:
+    """Pack, once, every weight whose shape the plan runs packed (at load: the cost profile
+    installs the plan, then the runtime calls this). Returns the bytes the packings of `weights`
+    hold: a second copy of those weights, which `eagle2 tune` states."""
+    plan = plan or PLAN
+    for k in [k for k, (ref, _, _) in _PACKED.items() if ref() is None]:  # weights that are gone
+        del _PACKED[k]
+    weights = list(weights)
+    for w in weights:
+        if not (HAVE_PACKED and eligible(w) and plan.packs(shape_key(w))):
+            _PACKED.pop(id(w), None)
+        elif _packed_of(w) is None:
+            with torch.no_grad():
+                _PACKED[id(w)] = (weakref.ref(w), w._version, pack(w, plan.pack_hint.get(shape_key(w), 16)))
+    return packed_bytes(weights)
+
+
+def packed_bytes(weights) -> int:
+    seen = {id(w): w for w in weights if _packed_of(w) is not None}
+    return sum(w.numel() * w.element_size() for w in seen.values())
+
+
+def release() -> None:
+    """Forget every packing."""
+    _PACKED.clear()
+
+
+def _packed_of(weight: torch.Tensor) -> torch.Tensor | None:
+    got = _PACKED.get(id(weight))
+    if got is None or got[0]() is not weight or got[1] != weight._version:  # another tensor, or changed in place (training)
+        return None
+    return got[2]
+
+
+def kernel_for(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """The kernel a product of `x` with `weight` takes: the plan's, where it applies (CPU,
+    float32/bfloat16, inference, a packing at hand for `packed`), else `linear`."""
+    if not eligible(weight) or x.dtype != weight.dtype:
+        return "linear"
+    if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
+        return "linear"  # training keeps linear's backward
+    k = PLAN.kernel(x.numel() // max(1, x.shape[-1]), weight)
+    if k == "packed" and _packed_of(weight) is None:
+        return "linear"
+    return k
 
 
 def transposed_product(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -84,13 +211,22 @@ def transposed_product(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(weight, x2.t()).t().contiguous()  # contiguous: the next op reads along features
 
 
+def packed_product(x2: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x2.contiguous(), packed, bias, "none", [], "")
+
+
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Same result as `F.linear(x, weight, bias)` (up to float32 rounding), faster for few rows on CPU."""
-    if not transposed_is_faster(x, weight):
+    """Same result as `F.linear(x, weight, bias)` (up to rounding), by the plan's kernel."""
+    k = kernel_for(x, weight)
+    if k == "linear":
         return F.linear(x, weight, bias)
-    out = transposed_product(x.reshape(-1, x.shape[-1]), weight)
-    if bias is not None:
-        out += bias
+    x2 = x.reshape(-1, x.shape[-1])
+    if k == "packed":
+        out = packed_product(x2, _packed_of(weight), bias)
+    else:
+        out = transposed_product(x2, weight)
+        if bias is not None:
+            out += bias
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -103,7 +239,7 @@ class RowLinear(nn.Linear):
 
 def plain_linears(module: nn.Module) -> list[nn.Linear]:
     """The module's own `nn.Linear` layers (not quantized or other subclasses, which keep their forward)."""
-    return [m for m in module.modules() if type(m) is nn.Linear]
+    return [m for m in module.modules() if type(m) in (nn.Linear, RowLinear)]
 
 
 def make_row_linears(module: nn.Module) -> nn.Module:

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from .events import GenerationSettings, Summary
 from .prompts import PromptItem
 
+PLAIN = "plain"  # methods.PLAIN: eagle2's own plain decoding, the reference for speculation alone
+
 
 def acceptance_rate(summary: Summary, depth: int) -> float:
     """Share of the drafted depth accepted: the Summary's own rate, or accepted per cycle / depth
@@ -103,6 +105,17 @@ class Comparison:
         b = self.runs[self.baseline].tokens_per_s
         return self.runs[name].tokens_per_s / b if b > 0 else None
 
+    def speedup_over(self, name: str, reference: str) -> float | None:
+        """`name`'s tokens/s over `reference`'s (None where either is missing or empty)."""
+        if name not in self.runs or reference not in self.runs or name == reference:
+            return None
+        r = self.runs[reference].tokens_per_s
+        return self.runs[name].tokens_per_s / r if r > 0 else None
+
+    def over_plain(self, name: str) -> float | None:
+        """Speculation alone: `name` over eagle2's own plain decoding (same kernels, no draft)."""
+        return self.speedup_over(name, PLAIN) if self.runs[name].speculative else None
+
     def per_prompt_speedups(self, name: str) -> list[float]:
         if not self.baseline or self.baseline not in self.runs:
             return []
@@ -179,6 +192,8 @@ class Comparison:
             sp, mean = self.speedup(name), self.mean_speedup(name)
             d.update(speedup=None if sp is None else round(sp, 4), speedup_mean_ratio=None if mean is None else round(mean, 4),
                      identical=self.identical(name))
+            if (op := self.over_plain(name)) is not None:
+                d["speedup_over_plain"] = round(op, 4)
             diffs = self.differences(name) if self.greedy else []
             if diffs:
                 d["first_difference"] = {str(item.id): i for item, i in diffs}
@@ -200,6 +215,10 @@ class Comparison:
             "greedy": self.greedy,
             "settings": self.settings,
         }
+        if PLAIN in self.runs:  # the speedup split: kernels alone and speculation alone
+            kern, spec = self.speedup(PLAIN), self.over_plain(main) if main in self.runs else None
+            out["plain_over_generate"] = None if kern is None else round(kern, 4)
+            out["speedup_over_plain"] = None if spec is None else round(spec, 4)
         for name in self.runs:
             out[name] = self.method_dict(name)
         cats = self.per_category(main)

@@ -10,7 +10,7 @@ import torch
 
 from contextlib import contextmanager
 
-from .rowgemm import linear_rows, plain_linears, row_linears
+from .rowgemm import eligible, linear_rows, plain_linears, row_linears
 from .tree import DraftTree, causal_attention_bias, static_causal_bias, static_tree_bias, tree_attention_bias
 
 # End-of-turn markers of common chat templates; generation stops at these as at EOS.
@@ -36,10 +36,9 @@ class TargetRunner:
         self.lm_head = model.get_output_embeddings()
         self.device = self.lm_head.weight.device
         self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        # Float32 CPU linears go through the transposed few-row product during our forwards only
-        # (rowgemm.py); one that already has an instance-level forward (an accelerate hook) is left alone.
-        self.cpu_linears = [m for m in plain_linears(self.body)
-                            if m.weight.device.type == "cpu" and m.weight.dtype == torch.float32 and "forward" not in m.__dict__]
+        # CPU linears take the measured product plan's kernel during our forwards only (rowgemm.py);
+        # one that already has an instance-level forward (an accelerate hook) is left alone.
+        self.cpu_linears = [m for m in plain_linears(self.body) if eligible(m.weight) and "forward" not in m.__dict__]
         self.max_positions = context_length(model.config)
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         layer_types = getattr(self.config, "layer_types", None) or []

@@ -219,6 +219,11 @@ def test_cli_tune_and_compare_against_auto(tmp_path, monkeypatch, tiny_model_dir
     assert "verify ms" in r.stdout and "draft step ms" in r.stdout
     prof = json.load(open(tmp_path / "p.json"))
     assert set(prof["verify_ms"]) >= {"1", "4", "16", "64"} and prof["key"]["threads"] == torch.get_num_threads()
+    # the weight-streaming floor beside verify, and every product's kernels with the plan they give
+    assert prof["stream_floor_ms"] > 0 and prof["weight_bytes"] > 0 and "stream floor" in r.stdout
+    assert prof["verify_over_stream_floor"]["1"] == pytest.approx(prof["verify_ms"]["1"] / prof["stream_floor_ms"], rel=1e-2)
+    assert prof["products"] and set(prof["plan"]["kernels"]) == set(prof["products"]) and "plan:" in r.stdout
+    assert isinstance(prof["packed_bytes"], int)
     out = tmp_path / "c.json"
     r = CliRunner().invoke(cli, ["compare", "--limit", "2", "-n", "8", "--model", tiny_model_dir, "--draft", tiny_head_dir,
                                  "--total-tokens", "4", "--depth", "3", "--tree-top-k", "3", "--against", "auto,auto:8/3/3", "--json", str(out)])

@@ -31,7 +31,15 @@ def test_compare_json_keys(tmp_path, tiny_model_dir, tiny_head_dir):
     # wall_time is rounded to 0.1 ms in the JSON and ms_per_token to 0.01 ms, each from the unrounded time: allow both roundings.
     slack = 0.005 + 1000 * 0.00005 / v["new_tokens"] + 1e-9
     assert abs(v["ms_per_token"] - 1000 * v["wall_time"] / v["new_tokens"]) <= slack and "draft_ms_per_cycle" not in v
-    assert re.search(r"^ms: vanilla \d+ per token; eagle2 \d+ draft \+ \d+ verify per cycle$", r.stdout, re.M)
+    assert re.search(r"^ms: vanilla \d+ per token; plain \d+ per token; eagle2 \d+ draft \+ \d+ verify per cycle$", r.stdout, re.M)
+    # On a CPU eagle2's own plain decoding runs too, and the speedup splits: kernels alone (plain
+    # over generate) times speculation alone (eagle2 over plain) is the speedup over generate.
+    p = d["plain"]
+    assert p["identical"] == 2 and "tau" not in p and p["tokens_per_s"] > 0
+    assert d["plain_over_generate"] == p["speedup"] == round(p["tokens_per_s"] / v["tokens_per_s"], 4)
+    assert d["speedup_over_plain"] == e["speedup_over_plain"] == round(e["tokens_per_s"] / p["tokens_per_s"], 4)
+    assert abs(d["plain_over_generate"] * d["speedup_over_plain"] - d["speedup"]) < 1e-3 * d["speedup"]
+    assert "speedup_over_plain" not in v and "speedup_over_plain" not in p and "own" in r.stdout  # the "over own plain" column
     assert len(d["per_prompt"]) == 2 and d["settings"]["generation"]["max_new_tokens"] == 6
     assert "vanilla" in r.stdout and "eagle2" in r.stdout and "2/2" in r.stdout
     assert d["per_category"] == {"writing": d["eagle2"]["per_category"]["writing"]}  # MT-bench's first two
@@ -39,10 +47,12 @@ def test_compare_json_keys(tmp_path, tiny_model_dir, tiny_head_dir):
 
 
 def test_compare_builtin_set_json_to_stdout(tiny_model_dir, tiny_head_dir):
-    r = CliRunner().invoke(cli, ["compare", "--limit", "1", "--json", "-", "--warmup-tokens", "0"] + model_args(tiny_model_dir, tiny_head_dir, 2))
+    r = CliRunner().invoke(cli, ["compare", "--limit", "1", "--json", "-", "--warmup-tokens", "0", "--no-plain"]
+                           + model_args(tiny_model_dir, tiny_head_dir, 2))
     assert r.exit_code == 0, r.stderr
     d = json.loads(r.stdout)  # the table went to stderr
     assert d["prompts"] == 1 and "eagle2" in r.stderr
+    assert "plain" not in d and "plain_over_generate" not in d and "own" not in r.stderr  # --no-plain: no "over own plain" column
 
 
 def test_compare_file_baselines_categories_plot(tmp_path, tiny_model_dir, tiny_head_dir):

@@ -148,6 +148,35 @@ def test_greedy_identity_for_both_lm_head_plans(arch_env, rows_cheap):
         assert max(rows_seen) < SHAPES["dynamic"].total_tokens and rows_seen.count(1) > len(arch_env["cases"])
 
 
+@pytest.mark.parametrize("kernel", ["linear", "transposed", "packed"])
+def test_greedy_identity_with_each_kernel_forced(arch_env, kernel, monkeypatch):
+    """Every kernel the product plan may choose (rowgemm.py), forced for every product of the
+    target and the head in turn (EAGLE2_KERNEL, which a measured plan cannot override), keeps
+    greedy output equal to `generate` (which runs F.linear)."""
+    from eagle2_core import rowgemm
+    from eagle2_core.costs import product_weights
+
+    if kernel == "packed" and not rowgemm.HAVE_PACKED:
+        pytest.skip("this torch build has no oneDNN packed linear")
+    monkeypatch.setenv("EAGLE2_KERNEL", kernel)
+    before = rowgemm.PLAN
+    rowgemm.install_plan(rowgemm.ProductPlan())
+    weights = product_weights(arch_env["model"], arch_env["head"])
+    rowgemm.prepare(weights)
+    ran = []
+    real = rowgemm.kernel_for
+    monkeypatch.setattr(rowgemm, "kernel_for", lambda x, w: ran.append(real(x, w)) or ran[-1])
+    try:
+        dec = Eagle2Decoder(arch_env["model"], arch_env["head"], tree=SHAPES["dynamic"])
+        for case in arch_env["cases"]:
+            out, _ = dec.generate(case["ids"], GenerationSettings(max_new_tokens=case["n"], eos_token_ids=case["eos"]))
+            assert out == case["ref"], (kernel, case)
+    finally:
+        rowgemm.prepare(weights, rowgemm.ProductPlan())
+        rowgemm.PLAN = before
+    assert set(ran) == {kernel}  # it really ran, for every product
+
+
 def test_tree_variants_identity(tiny_lm, fitted_head):
     """Ablations and edge sizes stay lossless too: expand by node confidence, no rerank,
     a one-node tree (total_tokens=2), a top-1 dynamic tree, and a tree wider than the vocabulary."""

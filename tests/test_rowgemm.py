@@ -1,5 +1,7 @@
-"""The few-row product of rowgemm.py: same values as F.linear, taken only where it is meant to
-be, and a target model left exactly as it was outside our forwards."""
+"""The product plan of rowgemm.py: every kernel gives F.linear's values, each is taken only where
+the plan says and a packing exists, the plan comes from measurements (never from the CPU's
+name), a torch without the private packed ops is offered none, and a target model is left
+exactly as it was outside our forwards."""
 from __future__ import annotations
 
 import pytest
@@ -8,106 +10,194 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle2_core import rowgemm
-from eagle2_core.rowgemm import RowLinear, linear_rows, make_row_linears, plain_linears, row_linears, transposed_is_faster
+from eagle2_core.rowgemm import ProductPlan, RowLinear, kernel_for, linear_rows, make_row_linears, plain_linears, row_linears
 
-
-EVERYWHERE = rowgemm.RowPlan(body_one=True, body_max=10**6, wide_one=True, wide_max=10**6)
+needs_packed = pytest.mark.skipif(not rowgemm.HAVE_PACKED, reason="this torch build has no oneDNN packed linear")
+AVAILABLE = [k for k in rowgemm.KERNELS if k != "packed" or rowgemm.HAVE_PACKED]
 
 
 @pytest.fixture(autouse=True)
-def _restore_plan():
+def _restore_plan(monkeypatch):
+    monkeypatch.delenv("EAGLE2_KERNEL", raising=False)  # the suite pins linear (conftest); these tests are about the plan
     before = rowgemm.PLAN
     yield
-    rowgemm.install_plan(before)
+    rowgemm.PLAN = before
 
 
-@pytest.mark.parametrize("out_features", [48, rowgemm.WIDE])
+def plan_for(weight, by_rows: dict[int, str], hint: int = 16) -> ProductPlan:
+    return ProductPlan({rowgemm.shape_key(weight): {b: by_rows.get(b, "linear") for b in rowgemm.ROW_BUCKETS}},
+                       {rowgemm.shape_key(weight): hint})
+
+
+@pytest.mark.parametrize("kernel", AVAILABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 64, 65])
-def test_linear_rows_matches_linear(out_features, rows):
+def test_every_kernel_matches_linear(kernel, dtype, rows):
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(out_features, 40, generator=g)
-    b = torch.randn(out_features, generator=g)
-    x = torch.randn(1, rows, 40, generator=g)  # batch dims are kept
-    with rowgemm.using_plan(EVERYWHERE):
-        assert transposed_is_faster(x, w)
+    w = torch.randn(48, 40, generator=g).to(dtype)
+    b = torch.randn(48, generator=g).to(dtype)
+    x = torch.randn(1, rows, 40, generator=g).to(dtype)  # batch dims are kept
+    plan = rowgemm.forced(kernel)
+    rowgemm.prepare([w], plan)
+    with rowgemm.using_plan(plan):
+        assert kernel_for(x, w) == kernel
         for bias in (None, b):
             got, want = linear_rows(x, w, bias), F.linear(x, w, bias)
-            assert got.shape == want.shape and got.is_contiguous()
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert got.shape == want.shape and got.is_contiguous() and got.dtype == want.dtype
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
-def test_transposed_form_follows_the_installed_plan():
-    w, wide = torch.randn(48, 40), torch.randn(rowgemm.WIDE, 40)
+def test_the_plan_is_followed_by_rows_and_shape():
+    w, other = torch.randn(48, 40), torch.randn(24, 40)
     rows = lambda n, dtype=torch.float32: torch.randn(n, 40, dtype=dtype)  # noqa: E731
-    rowgemm.install_plan(rowgemm.RowPlan())  # nothing measured: linear everywhere
-    assert not any(transposed_is_faster(rows(n), m) for n in (1, 2, 8) for m in (w, wide))
-    rowgemm.install_plan(rowgemm.RowPlan(body_one=False, body_max=5, wide_one=True, wide_max=20))
-    assert not transposed_is_faster(rows(1), w) and transposed_is_faster(rows(2), w) and transposed_is_faster(rows(5), w)
-    assert not transposed_is_faster(rows(6), w)
-    assert transposed_is_faster(rows(1), wide) and transposed_is_faster(rows(20), wide)  # one row too, where measured faster
-    assert not transposed_is_faster(rows(21), wide)
-    assert not transposed_is_faster(rows(4, torch.bfloat16), w.bfloat16())
+    rowgemm.install_plan(ProductPlan())  # nothing measured: linear everywhere
+    assert {kernel_for(rows(n), m) for n in (1, 2, 8) for m in (w, other)} == {"linear"}
+    plan = plan_for(w, {1: "linear", 2: "transposed", 3: "transposed", 4: "transposed", 6: "linear"})
+    rowgemm.install_plan(plan)
+    assert [kernel_for(rows(n), w) for n in (1, 2, 3, 4, 5, 6, 7)] == ["linear", "transposed", "transposed", "transposed",
+                                                                       "linear", "linear", "linear"]  # 5 follows bucket 6
+    assert kernel_for(rows(4), other) == "linear"                      # a shape the plan does not know
+    assert kernel_for(rows(4, torch.bfloat16), w.bfloat16()) == "linear"  # the key carries the dtype
+    assert kernel_for(rows(4, torch.float16), w.half()) == "linear"    # float16 is not offered
     trainable = nn.Parameter(w.clone())
-    assert not transposed_is_faster(rows(4), trainable)              # training keeps linear's backward
+    rowgemm.install_plan(plan_for(trainable, {4: "transposed"}))
+    assert kernel_for(rows(4), trainable) == "linear"                   # training keeps linear's backward
     with torch.no_grad():
-        assert transposed_is_faster(rows(4), trainable)
+        assert kernel_for(rows(4), trainable) == "transposed"
 
 
-def test_transposed_form_is_what_runs(monkeypatch):
-    calls = []
-    real_mm = torch.mm
-    monkeypatch.setattr(rowgemm.torch, "mm", lambda *a: calls.append(a[0].shape) or real_mm(*a))
+@needs_packed
+def test_packed_runs_only_with_a_packing_made_at_prepare(monkeypatch):
     w = torch.randn(48, 40)
-    with rowgemm.using_plan(rowgemm.RowPlan(body_max=8)):
-        linear_rows(torch.randn(3, 40), w)
-        linear_rows(torch.randn(1, 40), w)
-    assert calls == [w.shape]  # only the three-row product went through W @ x.T
+    plan = plan_for(w, {b: "packed" for b in rowgemm.ROW_BUCKETS})
+    rowgemm.install_plan(plan)
+    x = torch.randn(3, 40)
+    assert kernel_for(x, w) == "linear"          # no packing yet: never packed on the fly
+    assert kernel_for(x, w.clone()) == "linear"  # a temporary copy (a dtype cast) is not packed either
+    packs = []
+    real = rowgemm.pack
+    monkeypatch.setattr(rowgemm, "pack", lambda weight, hint=16: packs.append(hint) or real(weight, hint))
+    assert rowgemm.prepare([w, w]) == w.numel() * 4  # the bytes of the one packing
+    assert rowgemm.prepare([w]) == w.numel() * 4 and packs == [16]  # made once
+    assert kernel_for(x, w) == "packed"
+    torch.testing.assert_close(linear_rows(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        w.mul_(2.0)                              # changed in place (a training step): the packing is stale
+    assert kernel_for(x, w) == "linear"
+    torch.testing.assert_close(linear_rows(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    rowgemm.prepare([w])                         # made again for the new values
+    assert kernel_for(x, w) == "packed" and packs == [16, 16]
+    rowgemm.prepare([w], ProductPlan())          # a plan without packing drops it
+    assert kernel_for(x, w) == "linear" and rowgemm.packed_bytes([w]) == 0
 
 
-def test_plan_from_measured_pairs():
-    from eagle2_core.costs import row_plan
+def test_plan_from_measured_kernels():
+    from eagle2_core.costs import PRODUCT_ROWS, packing_spread, product_plan
 
-    assert row_plan({}) == rowgemm.RowPlan()
-    body = {1: [5.0, 6.0], 2: [9.0, 6.0], 3: [9.0, 7.0], 4: [9.0, 8.0], 6: [9.0, 9.5], 8: [9.0, 8.0]}
-    wide = {1: [10.1, 4.4], 2: [20.0, 4.4], 4: [20.0, 6.0], 8: [8.0, 9.0]}
-    plan = row_plan({"body": body, "wide": wide})
-    # the run of wins from 2 ends at the first loss (6 rows), a later win (8) does not reopen it;
-    # one row is its own question: slower transposed for the body, faster for the lm_head (Zen 4)
-    assert plan == rowgemm.RowPlan(body_one=False, body_max=4, wide_one=True, wide_max=4)
-    assert row_plan({"body": body}) == rowgemm.RowPlan(False, 4, False, 4)  # no vocabulary-sized weight: the body's plan
-    assert "2-4 rows" in plan.describe() and "1-4 rows" in plan.describe()
-    tie = {1: [33.4, 33.1], 2: [100.0, 40.0]}  # one row within noise of linear: linear stays
-    assert row_plan({"body": tie}).body_one is False
+    def row(lin, tr, p1, p16):
+        return {"linear": lin, "transposed": tr, "packed@1": p1, "packed@16": p16}
+
+    body = {1: row(5.0, 5.1, 4.0, 3.0), 2: row(9.0, 4.0, 6.0, 5.0), 3: row(9.0, 7.0, 6.0, 5.0),
+            4: row(9.0, 8.0, 6.0, 8.9), 6: row(9.0, 9.5, 9.2, 9.3), 8: row(9.0, 8.0, 7.0, 6.0)}
+    plan = product_plan({"48x40 float32": body})
+    k = plan.kernels["48x40 float32"]
+    # one packing for the shape: packed@16 is nearer the best over all rows (sum of ratios)
+    assert plan.pack_hint == {"48x40 float32": 16}
+    assert k[1] == "packed" and k[2] == "transposed" and k[3] == "packed"
+    assert k[4] == "transposed"   # the chosen packing (16) is not the fastest here; transposed is
+    assert k[6] == "linear"       # nothing beats linear by ROW_WIN
+    assert k[8] == "packed" and k[12] == "packed" and k[64] == "packed"  # past the last timed count: its choice
+    assert packing_spread({"48x40 float32": body}, plan)["48x40 float32"] == pytest.approx(8.9 / 6.0)
+    tie = {1: row(33.4, 33.1, 40.0, 40.0)}   # within noise of linear: linear stays
+    assert product_plan({"k": tie}).kernels["k"][1] == "linear"
+    assert product_plan({"k": tie}).pack_hint == {}  # no row count runs packed: no packing to make
+    assert set(PRODUCT_ROWS) <= set(rowgemm.ROW_BUCKETS)
 
 
-def test_the_profile_measures_and_installs_the_plan(tiny_target, monkeypatch, tmp_path):
+def test_without_the_private_ops_no_packed_kernel_is_offered(monkeypatch, tiny_lm):
+    """A torch build without (or with broken) oneDNN packed linear: measurement, plan, a stored
+    plan and EAGLE2_KERNEL all leave packing out, and every product still runs."""
+    from eagle2_core import costs
+
+    monkeypatch.setattr(rowgemm, "HAVE_PACKED", False)
+    model = tiny_lm("llama")
+    weights = costs.product_weights(model, None)
+    products = costs.measure_products(weights, rows=(1, 4), reps=1)
+    assert products and all(set(t) == {"linear", "transposed"} for by in products.values() for t in by.values())
+    assert "packed" not in {k for by in costs.product_plan(products).kernels.values() for k in by.values()}
+    stored = ProductPlan.from_json({"kernels": {"48x40 float32": {"1": "packed", "2": "transposed"}}})
+    assert stored.kernels["48x40 float32"] == {1: "linear", 2: "transposed"}
+    with pytest.raises(ValueError, match="no oneDNN packed"):
+        rowgemm.forced("packed")
+    rowgemm.install_plan(ProductPlan(everywhere="packed"))
+    assert rowgemm.prepare(weights) == 0  # nothing packed
+    x = torch.randn(2, weights[0].shape[1])
+    torch.testing.assert_close(linear_rows(x, weights[0]), F.linear(x, weights[0]))
+
+
+def test_the_probe_says_no_when_the_op_is_missing(monkeypatch):
+    class NoOps:
+        pass
+
+    monkeypatch.setattr(rowgemm.torch.ops, "mkldnn", NoOps(), raising=False)
+    assert rowgemm._probe_packed() is False
+
+
+def test_env_forces_one_kernel(monkeypatch):
+    monkeypatch.setenv("EAGLE2_KERNEL", "transposed")
+    rowgemm.install_plan(ProductPlan())
+    assert rowgemm.PLAN.everywhere == "transposed" and "forced" in rowgemm.PLAN.describe()
+    monkeypatch.setenv("EAGLE2_KERNEL", "measured")
+    rowgemm.install_plan(ProductPlan())
+    assert rowgemm.PLAN.everywhere is None
+    monkeypatch.setenv("EAGLE2_KERNEL", "fastest")
+    with pytest.raises(ValueError, match="unknown kernel"):
+        rowgemm.install_plan(ProductPlan())
+
+
+def test_the_profile_measures_installs_and_packs(tiny_target, monkeypatch, tmp_path):
     from eagle2_core import costs
     from eagle2_core.runtime import random_head
 
     monkeypatch.setenv("EAGLE2_CACHE", str(tmp_path))
+    monkeypatch.delenv("EAGLE2_KERNEL", raising=False)
     head = random_head(tiny_target)
+    weights = costs.product_weights(tiny_target.model, head)
+    keys = {rowgemm.shape_key(w) for w in weights}
     seen = []
-    monkeypatch.setattr(costs, "measure_row_products", lambda run, reps=5: seen.append(run) or
-                        {"body": {1: [1.0, 0.5], 2: [2.0, 1.0], 3: [2.0, 3.0]}})
-    rowgemm.install_plan(rowgemm.RowPlan())
+    measured = {k: {1: {"linear": 2.0, "transposed": 1.0, "packed@16": 3.0}, 4: {"linear": 2.0, "transposed": 3.0, "packed@16": 1.0}}
+                for k in keys}
+    monkeypatch.setattr(costs, "measure_products", lambda ws, reps=5: seen.append(len(ws)) or measured)
+    rowgemm.install_plan(ProductPlan())
     prof = costs.load_or_measure(tiny_target.model, head)
-    assert len(seen) == 1 and rowgemm.PLAN == rowgemm.RowPlan(True, 2, True, 2)
-    assert prof.row_products == {"body": {1: [1.0, 0.5], 2: [2.0, 1.0], 3: [2.0, 3.0]}}
-    rowgemm.install_plan(rowgemm.RowPlan())
-    again = costs.load_or_measure(tiny_target.model, head)  # from the cache: installed again, not measured
-    assert len(seen) == 1 and again.row_products == prof.row_products and rowgemm.PLAN == rowgemm.RowPlan(True, 2, True, 2)
+    assert len(seen) == 1 and seen[0] == len(weights)
+    assert prof.stream_floor_ms > 0 and prof.weight_bytes == sum(p.numel() * 4 for p in tiny_target.model.parameters())
+    w = weights[0]
+    assert kernel_for(torch.randn(1, w.shape[1]), w) == "transposed"
+    expect_packed = "packed" if rowgemm.HAVE_PACKED else "linear"
+    assert kernel_for(torch.randn(3, w.shape[1]), w) == expect_packed  # 3 rows follow the 4-row measurement
+    rowgemm.install_plan(ProductPlan())
+    rowgemm.release()
+    again = costs.load_or_measure(tiny_target.model, head)  # from the cache: installed and packed again, not measured
+    assert len(seen) == 1 and again.products == prof.products and again.stream_floor_ms == prof.stream_floor_ms
+    assert kernel_for(torch.randn(3, w.shape[1]), w) == expect_packed
 
 
-def test_row_products_are_measured_for_body_and_lm_head(tiny_lm):
+def test_products_are_measured_per_shape_for_target_and_head(tiny_lm):
     from eagle2_core import costs
-    from eagle2_core.target import TargetRunner
+    from eagle2_core.head import DraftHead, HeadSpec
 
-    rp = costs.measure_row_products(TargetRunner(tiny_lm("llama")), reps=1)
-    assert set(rp) == {"body"}  # a small vocabulary is not vocabulary-sized
-    assert sorted(rp["body"]) == list(costs.ROW_TRIALS_BODY) and all(a > 0 and b > 0 for a, b in rp["body"].values())
-    wide = costs.measure_row_products(TargetRunner(tiny_lm("llama", vocab_size=rowgemm.WIDE, hidden_size=16)), reps=1)
-    assert set(wide) == {"body", "wide"} and sorted(wide["wide"]) == list(costs.ROW_TRIALS_WIDE)
-    assert costs.measure_row_products(TargetRunner(tiny_lm("llama").to(torch.bfloat16)), reps=1) == {}  # rowgemm never applies
+    model = tiny_lm("llama")
+    head = DraftHead(HeadSpec.for_target(model.config)).eval()
+    weights = costs.product_weights(model, head)
+    assert model.lm_head.weight in [w for w in weights if w is model.lm_head.weight]
+    assert any(w is head.fc.weight for w in weights) and len({id(w) for w in weights}) == len(weights)
+    products = costs.measure_products(weights, rows=(1, 2), reps=1)
+    assert set(products) == {rowgemm.shape_key(w) for w in weights}
+    kinds = {"linear", "transposed"} | ({f"packed@{h}" for h in costs.PACK_HINTS} if rowgemm.HAVE_PACKED else set())
+    assert all(set(t) == kinds and all(v > 0 for v in t.values()) for by in products.values() for t in by.values())
+    assert costs.measure_products([w.half() for w in weights], reps=1) == {}  # float16: no candidate but linear
 
 
 def test_row_linears_is_scoped_and_leaves_hooks_alone():
