@@ -100,10 +100,15 @@ class ChatApp:
         from eagle2_core.stats import first_difference
         from eagle2_core.chat import IncrementalDetokenizer, LiveStats
         from eagle2_core.events import Summary
+        from eagle2_core.prompts import text_problem
 
         from .ui import AnswerView
 
         rt = self.rt
+        why = text_problem(text)
+        if why is not None:  # checked before it joins the conversation, which it would break for every later turn
+            error(self.err, f"this turn {why}; it was not sent")
+            return
         ids = rt.encode(self.conv.add_user(text))
         if len(ids) >= rt.max_positions:
             self.conv.drop_last_user()
@@ -145,6 +150,7 @@ class ChatApp:
     def command(self, line: str) -> bool:
         """Run a slash command; False means exit."""
         from eagle2_core.chat import apply_setting, settings_view
+        from eagle2_core.prompts import text_problem
 
         cmd, _, arg = line.strip().partition(" ")
         cmd, arg = cmd.lower(), arg.strip()
@@ -160,6 +166,8 @@ class ChatApp:
         elif cmd == "/system":
             if not arg:
                 err.print(f"system prompt: {self.conv.system_prompt!r}", markup=False)
+            elif text_problem(arg):
+                error(err, f"the system prompt {text_problem(arg)}; it was not changed")
             else:
                 self.conv.system_prompt = None if arg == "-" else arg
                 err.print("system prompt cleared" if arg == "-" else "system prompt set")
@@ -238,6 +246,20 @@ class ChatApp:
         for line in lines:
             if not self.handle(line.rstrip("\n")):
                 break
+
+    def stdin_lines(self, stdin):
+        """Piped input, one turn a line, decoded line by line: a line that is not UTF-8 gets an
+        error line of its own and is skipped, where decoding the whole stream would end the run
+        with a traceback at that line."""
+        raw = getattr(stdin, "buffer", None)
+        if raw is None:  # already text (a test's StringIO)
+            yield from stdin
+            return
+        for n, line in enumerate(raw, 1):
+            try:
+                yield line.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                error(self.err, f"stdin line {n}: not UTF-8 text (byte 0x{line[e.start]:02x} at byte {e.start}); skipped")
 
     def repl(self, history_file: str | None = None, pt_input=None, pt_output=None) -> None:
         from prompt_toolkit import PromptSession
@@ -326,4 +348,4 @@ def chat(prompts, show_draft, compare_each, no_baseline, baseline_tokens, no_cal
     elif sys.stdin is not None and sys.stdin.isatty() and sys.stdout.isatty():
         app.repl(history_file or history_path())
     else:
-        app.run_lines(sys.stdin)
+        app.run_lines(app.stdin_lines(sys.stdin))

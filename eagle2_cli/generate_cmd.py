@@ -47,7 +47,7 @@ def generate(input_path, output_path, restart, no_progress, batch_size, common):
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from eagle2_core.batch import OutputWriter, plan_resume, prepare_output, run_batched, run_item, run_pending
+    from eagle2_core.batch import OutputError, OutputWriter, plan_resume, prepare_output, run_batched, run_item, run_pending
     from eagle2_core.outputlock import OutputLocked, lock_output
     from eagle2_core.prompts import InputError, read_prompt_file
 
@@ -63,7 +63,10 @@ def generate(input_path, output_path, restart, no_progress, batch_size, common):
     if output_path != "-":
         if restart:
             open(output_path, "w").close()
-        done = prepare_output(output_path)
+        try:
+            done = prepare_output(output_path)
+        except OutputError as e:
+            raise click.ClickException(str(e)) from None
     pending, skipped = plan_resume(entries, done)
     todo = sum(1 for e in pending if not isinstance(e, InputError))
     writer = OutputWriter(output_path, sys.stdout)
@@ -105,6 +108,8 @@ def generate(input_path, output_path, restart, no_progress, batch_size, common):
                 ok, failed = run_batched(rt, pending, writer, rt.gen, batched, on_fail, on_done)
             else:
                 ok, failed = run_pending(pending, writer, lambda item: run_item(rt, decoder, item, rt.gen), on_fail, on_done)
+    except OutputError as e:  # the file is cut back to its last whole record: the rerun resumes from there
+        raise click.ClickException(str(e)) from None
     finally:
         writer.close()
     where = "" if output_path == "-" else f" -> {output_path}"

@@ -51,11 +51,13 @@ class CommonOptions:
         """Load model and head (a spinner on `console`, normally stderr) into a Runtime.
         `sample_by_default=False` (compare): greedy unless --temperature says otherwise, even
         where the model's generation_config samples; its other settings still apply."""
-        from eagle2_core.prompts import load_chat_template
+        from eagle2_core.prompts import InputError, load_chat_template, text_problem
         from eagle2_core.runtime import Runtime
 
         from .ui import status
 
+        if self.system_prompt and text_problem(self.system_prompt):  # argv bytes that are not UTF-8: said before loading
+            raise InputError(text_problem(self.system_prompt), path="--system-prompt")
         quiet_transformers()
         template = load_chat_template(self.chat_template) if self.chat_template else None
         with status(console, f"Loading {self.model or 'the default model (SmolLM2-135M-Instruct)'}..."):

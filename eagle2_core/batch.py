@@ -6,6 +6,7 @@ existing output, keeps its successful records, drops failed ones and a half-writ
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 from typing import Any
@@ -26,9 +27,16 @@ def _record_ident(rec: dict) -> tuple[str, str] | None:
     return None
 
 
+class OutputError(Exception):
+    """The output file refused a write (a full disk, a quota, an I/O error). The message names
+    the file and the cause; what the file held before stays whole."""
+
+
 def prepare_output(path: str) -> set[tuple[str, str]]:
     """Identities already done in `path` (successful records). Failed records and any partial
-    last line (a kill mid-write) are removed first, so the file never holds duplicates."""
+    last line (a kill or a full disk mid-write) are removed first, so the file never holds
+    duplicates. A torn tail is cut off in place, which needs no free space: the usual state after
+    a disk filled up, and a rerun should not need room for a copy before it can free any."""
     if not os.path.exists(path):
         return set()
     with open(path, "rb") as f:
@@ -40,7 +48,7 @@ def prepare_output(path: str) -> set[tuple[str, str]]:
             continue
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
             continue  # torn write: that record runs again
         rid = _record_ident(rec) if isinstance(rec, dict) else None
         if rid is None or "error" in rec or rid in done:
@@ -48,13 +56,32 @@ def prepare_output(path: str) -> set[tuple[str, str]]:
         done.add(rid)
         kept.append(line)
     new = b"".join(k + b"\n" for k in kept)
-    if new != raw:
-        tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(new)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+    if new == raw:
+        return done
+    try:
+        if raw.startswith(new):  # only a tail to drop
+            os.truncate(path, len(new))
+        elif new.startswith(raw):  # only the last record's newline to add
+            with open(path, "ab") as f:
+                f.write(new[len(raw):])
+                f.flush()
+                os.fsync(f.fileno())
+        else:  # records go from the middle: a whole new copy, swapped in atomically
+            tmp = path + ".tmp"
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(new)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except OSError:
+                try:
+                    os.unlink(tmp)  # a half copy would hold the space the rerun needs
+                except OSError:
+                    pass
+                raise
+    except OSError as e:
+        raise OutputError(f"{path}: could not tidy the output before resuming ({e.strerror or e}); it is unchanged") from None
     return done
 
 
@@ -90,23 +117,67 @@ def run_pending(pending: list, writer: "OutputWriter", process, on_fail=None, on
 
 
 class OutputWriter:
-    """Appends one JSON line per record and flushes it (and fsyncs) at once."""
+    """Appends one JSON line per record and syncs it at once (a kill loses at most the record
+    being written). A record the file refuses (ENOSPC, EDQUOT, EIO) is cut back off the file, so
+    the file ends with the last whole record, and the write raises OutputError."""
 
     def __init__(self, path: str | None, stream=None):
         self.path = path
-        self.f = open(path, "a", encoding="utf-8") if path and path != "-" else stream
+        self.records = 0  # written by this run
+        self.fd = None
+        self.f = None
+        if path and path != "-":
+            # Unbuffered: a buffered file keeps what the disk refused and fails again when it is
+            # closed, a second traceback after the first.
+            self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self.end = os.fstat(self.fd).st_size  # where the last whole record ends
+        else:
+            self.f = stream
 
     def write(self, record: dict) -> None:
-        if self.f is None:
+        # backslashreplace: a lone surrogate (none should get this far) becomes its JSON escape
+        # instead of failing the encode halfway through a record
+        data = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
+        if self.fd is None:
+            if self.f is not None:
+                self.f.write(data.decode("utf-8"))
+                self.f.flush()
             return
-        self.f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self.f.flush()
-        if self.path and self.path != "-":
-            os.fsync(self.f.fileno())
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(self.fd, view)  # a full disk may take part of the record, then refuse
+                if n <= 0:
+                    raise OSError(errno.EIO, "the write made no progress")
+                view = view[n:]
+            os.fsync(self.fd)  # some filesystems (NFS) report a full disk only here
+        except OSError as e:
+            self._fail(e)
+        self.end += len(data)
+        self.records += 1
+
+    def _fail(self, e: OSError) -> None:
+        cut = True
+        try:
+            os.ftruncate(self.fd, self.end)  # shrinking needs no free space
+            os.fsync(self.fd)
+        except OSError:
+            cut = False  # the next run's prepare_output drops the torn line instead
+        self.close()
+        if self.records == 0:
+            kept = "the file is as it was before this run"
+        else:
+            kept = f"the {self.records} record{'s' if self.records > 1 else ''} written before it {'are' if self.records > 1 else 'is'} whole"
+        if not cut:
+            kept += " (the torn one is dropped when you rerun)"
+        when = " once there is room" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        raise OutputError(f"{self.path}: could not write record {self.records + 1} of this run ({e.strerror or e}); "
+                          f"{kept}; rerun with the same -o{when} to answer the rest") from None
 
     def close(self) -> None:
-        if self.path and self.path != "-" and self.f is not None:
-            self.f.close()
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)
 
 
 def _prompt_field(item: PromptItem, turn: int) -> str:

@@ -6,10 +6,13 @@ local folders. Checkpoints load with safetensors or `torch.load(weights_only=Tru
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
 import os
+import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -62,10 +65,34 @@ class LoadedTarget:
     source: str        # the resolved folder or file
 
 
+_UNUSABLE_CACHES: set[str] = set()  # said once per process each
+
+
 def cache_dir() -> str:
+    """The cache folder (converted GGUFs, cost profiles, chat history), created if missing.
+
+    The cache only saves time, so a folder that cannot be created or written (EAGLE2_CACHE under
+    a file, a read-only place) is no reason to stop: one warning says nothing will be cached, and
+    the path is returned anyway. Every reader finds nothing there and every writer already treats
+    an OSError as "not cached this time"."""
     root = os.environ.get("EAGLE2_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "eagle2")
-    os.makedirs(root, exist_ok=True)
+    try:
+        os.makedirs(root, exist_ok=True)
+        why = None if os.access(root, os.W_OK | os.X_OK) else "not writable"
+    except OSError as e:
+        why = e.strerror or str(e)
+    if why and root not in _UNUSABLE_CACHES:
+        _UNUSABLE_CACHES.add(root)
+        import warnings
+
+        warnings.warn(f"cache folder {root}: {why}; running without a cache, nothing will be cached "
+                      "(set EAGLE2_CACHE to a writable folder to keep converted models and measurements)", stacklevel=2)
     return root
+
+
+def model_label(name: str | None) -> str:
+    """How messages name the --model value: the default by its name when none was given."""
+    return repr(name) if name else f"{DEFAULT_MODEL!r} (the default, SmolLM2-135M-Instruct)"
 
 
 def pick_device(device: str = "auto") -> str:
@@ -144,6 +171,26 @@ def _gguf_cache_folder(folder: str, gguf: str) -> str:
     return os.path.join(cache_dir(), "gguf", f"{os.path.splitext(gguf)[0]}-{key}")
 
 
+@contextmanager
+def _quiet_gguf_bar():
+    """transformers dequantizes a GGUF under a tqdm bar of its own, which its progress-bar switch
+    (quiet_transformers) does not reach. Once per GGUF it was tolerable; without a cache every run
+    converts, and the bar would be the only noise besides the one warning (EAGLE2_DEBUG keeps it)."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        gguf_utils = None
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None or os.environ.get("EAGLE2_DEBUG"):
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
 def _load_gguf(folder: str, gguf: str, dtype: torch.dtype):
     """Dequantize a GGUF once, then reuse the safetensors copy under the cache folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -154,15 +201,16 @@ def _load_gguf(folder: str, gguf: str, dtype: torch.dtype):
         model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
         return model, tok, cached
     try:
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+        with _quiet_gguf_bar():
+            tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
     except (ValueError, OSError, KeyError, IndexError, EOFError, TypeError) as e:
         # numpy's reshape of a cut tensor, a bad magic, a missing metadata key: all mean the file is not whole
         raise LoadError(f"{os.path.join(folder, gguf)}: the GGUF file is truncated or corrupt ({str(e).splitlines()[0][:80]})") from None
+    tmp = cached + ".tmp"
     try:
         from safetensors.torch import save_model
 
-        tmp = cached + ".tmp"
         os.makedirs(tmp, exist_ok=True)
         cfg = model.config.to_dict()
         cfg.pop("quantization_config", None)
@@ -173,8 +221,8 @@ def _load_gguf(folder: str, gguf: str, dtype: torch.dtype):
         tok.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         os.replace(tmp, cached) if not os.path.exists(cached) else None
-    except OSError:
-        pass  # a read-only cache only costs speed
+    except OSError:  # no cache (cache_dir warned) or a full disk: only costs speed, this run loads from the GGUF
+        shutil.rmtree(tmp, ignore_errors=True)  # a half-written copy would hold space and never be used
     if os.path.isfile(os.path.join(cached, "model.safetensors")):
         del model
         return AutoModelForCausalLM.from_pretrained(cached, dtype=dtype), tok, cached
@@ -215,7 +263,7 @@ def load_target(name: str | None = None, dtype: str = "auto", device: str = "aut
     except LoadError:
         raise
     except (OSError, ValueError) as e:
-        raise LoadError(f"could not load model {name!r}: {str(e).splitlines()[0]}") from e
+        raise LoadError(f"could not load model {model_label(name)}: {str(e).splitlines()[0]}") from e
     if not (load_in_8bit or load_in_4bit or device_map):
         model.to(dev)
     model.eval()

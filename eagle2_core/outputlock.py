@@ -66,8 +66,11 @@ def lock_output(path: str):
         os.close(fd)
     try:
         # Ours now: the pid of a dead holder may still be in the file, so replace it.
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError:  # a full disk: the pid only names us in a refusal, the flock is the lock
+            pass
         yield
     finally:
         try:

