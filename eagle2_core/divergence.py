@@ -8,8 +8,9 @@ is a bug. `explain` tells which, for the first differing token of two answers to
 
 The gap is measured as plain greedy decoding computes it (prefill, then one row per token, the
 model's processors applied with the sequence so far), again with the whole prefix in one forward
-(the multi-row product a tree verify uses), and, for a 16-bit run, with a float32 copy of the
-model. How far the first moves from each of the others is the rounding measured at this very
+(the multi-row product a tree verify uses), again so with eagle2's measured kernels (rowgemm.py:
+oneDNN's packed product rounds differently from `F.linear`), and, for a 16-bit run, with a
+float32 copy of the model. How far the first moves from each of the others is the rounding measured at this very
 position; the other decoder's own rounding is of the same size, so the two can flip the choice
 when the gap is within twice the larger of them. That is the tolerance, never under four units in
 the last place of the run's dtype at these logits (two roundings of up to two units each).
@@ -78,10 +79,16 @@ def stepwise_logits(model, ids: list[int], start: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def whole_logits(model, ids: list[int]) -> torch.Tensor:
-    """Next-token logits [V] after `ids` from one forward over all of them (a multi-row product)."""
+def whole_logits(model, ids: list[int], our_kernels: bool = False) -> torch.Tensor:
+    """Next-token logits [V] after `ids` from one forward over all of them (a multi-row product);
+    `our_kernels`: every CPU linear through the product plan eagle2's own forwards take
+    (rowgemm.py), whose kernels round differently from `F.linear`."""
+    from .rowgemm import eligible, plain_linears, row_linears
+
     x = torch.as_tensor(ids, dtype=torch.long, device=_device(model))[None]
-    return model(x, use_cache=False, logits_to_keep=1).logits[0, -1]
+    linears = [m for m in plain_linears(model) if eligible(m.weight) and "forward" not in m.__dict__] if our_kernels else []
+    with row_linears(linears):
+        return model(x, use_cache=False, logits_to_keep=1).logits[0, -1]
 
 
 def float32_copy(model):
@@ -120,8 +127,9 @@ def explain(model, prompt: list[int], expected: list[int], got: list[int], token
 
     gap, scale = gap_of(stepwise_logits(model, ids, len(prompt)))
     gap_whole, _ = gap_of(whole_logits(model, ids))
+    gap_ours, _ = gap_of(whole_logits(model, ids, our_kernels=True))  # the kernels eagle2's verify ran
     d.gap = gap
-    d.tolerance = max(4 * ulp(dtype, scale), 2 * abs(gap - gap_whole))
+    d.tolerance = max(4 * ulp(dtype, scale), 2 * abs(gap - gap_whole), 2 * abs(gap - gap_ours))
     if dtype == torch.float32:
         d.gap_float32 = gap
     elif model32 is not None:

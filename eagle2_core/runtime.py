@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import rowgemm
 from .decoder import Eagle2Decoder
 from .events import GenerationSettings
 from .head import DraftHead, HeadSpec
@@ -106,6 +107,10 @@ class Runtime:
              sample_by_default: bool = True) -> "Runtime":
         """`gen` is used as given; without it the settings come from the model's generation_config
         with `gen_overrides` (the user's flags, None = not given) on top (sampling.settings_from_model)."""
+        try:  # a bad EAGLE2_KERNEL is said before anything loads
+            rowgemm.env_forced()
+        except ValueError as e:
+            raise LoadError(str(e)) from None
         target = load_target(model, dtype=dtype, device=device, device_map=device_map, load_in_8bit=load_in_8bit,
                              load_in_4bit=load_in_4bit, trust_remote_code=trust_remote_code)
         model_gen = getattr(target.model, "generation_config", None)

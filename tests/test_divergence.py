@@ -124,3 +124,23 @@ def test_cli_lines_say_near_tie_or_bug():
     assert "'<10>' (vanilla) and '<11>' differ by 0.125 in bfloat16, 0.01 in float32" in divergence_text(tie, decode)
     assert divergence_text(tie, decode).endswith("a near-tie, rounding decides it")
     assert "NOT a near-tie, a bug" in divergence_text(bug, decode) and "in float32;" in divergence_text(bug, decode)
+
+
+def test_the_tolerance_reads_eagle2s_own_kernels(monkeypatch):
+    """The rounding eagle2's verify really had: one reading goes through the product plan's
+    kernel (here `transposed`, forced), and the model is left as it was after it."""
+    from eagle2_core import rowgemm
+    from eagle2_core.divergence import whole_logits
+
+    model = make_tiny_lm("llama", vocab_size=32)
+    ids = PROMPT + greedy(model)[:3]
+    ran = []
+    real = rowgemm.kernel_for
+    monkeypatch.setattr(rowgemm, "kernel_for", lambda x, w: ran.append(real(x, w)) or ran[-1])
+    with rowgemm.using_plan(rowgemm.forced("transposed")):
+        plain = whole_logits(model, ids)
+        assert ran == []  # the plain reading is `generate`'s own F.linear
+        ours = whole_logits(model, ids, our_kernels=True)
+    assert ran and set(ran) == {"transposed"}
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    torch.testing.assert_close(ours, plain, rtol=1e-4, atol=1e-4)

@@ -234,3 +234,13 @@ def test_row_linears_restores_after_an_interrupt():
         with row_linears([layer]):
             raise KeyboardInterrupt  # Ctrl-C in the middle of a verify forward
     assert "forward" not in layer.__dict__
+
+
+def test_a_bad_kernel_name_is_one_line(monkeypatch, tiny_model_dir):
+    from click.testing import CliRunner
+
+    from eagle2_cli.main import cli
+
+    monkeypatch.setenv("EAGLE2_KERNEL", "fastest")
+    r = CliRunner().invoke(cli, ["chat", "--prompt", "Hi", "-n", "2", "--no-baseline", "--model", tiny_model_dir, "--device", "cpu"])
+    assert r.exit_code == 2 and "EAGLE2_KERNEL: unknown kernel 'fastest'" in r.stderr and "Traceback" not in r.stderr
