@@ -3,8 +3,12 @@
 Both rules are pure functions of the draft tree and the target's outputs at every tree node, so
 they are tested without a model. Each returns the accepted node indices (root first, in path
 order) and the bonus token, which the target chose itself and which becomes the next root.
+Sampling draws from one uniform per output position, a hash of (seed, position)
+(`position_uniforms`), in every decoder.
 """
 from __future__ import annotations
+
+import secrets
 
 import torch
 
@@ -64,54 +68,6 @@ def children_lists(parents: list[int]) -> list[list[int]]:
     return kids
 
 
-def accept_sampling(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None = None) -> tuple[list[int], int]:
-    """Lossless acceptance for deterministic (one-hot) drafts, many candidates per node.
-
-    `probs[i]` is the target's next-token distribution at node i after temperature/top-k/top-p.
-    At a node with distribution p, its children x1, x2, ... (in draft-rank order) are tried in
-    turn: x is accepted with probability p(x) / (1 - mass already rejected), which is p(x) under
-    the residual distribution after zeroing the rejected siblings. If all are rejected, the bonus
-    token is drawn from that residual. For drafts with q = one-hot this is the recursive
-    rejection rule of SpecInfer / EAGLE (issue discussions call it "q(x) = 1"), and the emitted
-    token at every step has exactly the distribution p: by induction, P(emit x) =
-    p(x) + (1 - p(x1) - ...)·p(x)/(1 - ...) telescopes to p(x).
-
-    One device-to-host transfer of the children's probabilities; the bonus row is fetched once.
-    Uniforms come from `generator` (a CPU generator) so runs are reproducible under a seed.
-    """
-    parents = tree.parents.tolist()
-    tokens = tree.tokens.tolist()
-    child_p = probs[tree.parents[1:].clamp(min=0), tree.tokens[1:]].float().cpu().tolist()
-    kids = children_lists(parents)
-
-    node, path = 0, [0]
-    while True:
-        rejected: list[int] = []
-        rejected_mass = 0.0
-        accepted = None
-        for c in kids[node]:
-            tok = tokens[c]
-            if tok in rejected:
-                continue
-            pc = child_p[c - 1]
-            left = 1.0 - rejected_mass
-            if left > 0 and torch.rand((), generator=generator).item() * left < pc:
-                accepted = c
-                break
-            rejected.append(tok)
-            rejected_mass += pc
-        if accepted is None:
-            row = probs[node].float().cpu().clone()  # a copy: float32 CPU input would be a view
-            if rejected:
-                row[rejected] = 0.0
-            if not torch.isfinite(row).all() or row.sum() <= 0:
-                row = probs[node].float().cpu()
-            bonus = int(torch.multinomial(row / row.sum(), 1, generator=generator))
-            return path, bonus
-        path.append(accepted)
-        node = accepted
-
-
 def inverse_cdf(probs: torch.Tensor, u: float) -> int:
     """The token at which the cumulative distribution first exceeds u (of the row's total mass)."""
     c = probs.double().cumsum(-1)
@@ -119,16 +75,19 @@ def inverse_cdf(probs: torch.Tensor, u: float) -> int:
 
 
 def accept_sampling_keyed(tree: DraftTree, probs: torch.Tensor, uniforms: list[float]) -> tuple[list[int], int]:
-    """Lossless sampling acceptance whose outcome does not depend on the tree (batched decoding).
+    """Lossless sampling acceptance whose outcome does not depend on the tree: the one sampling rule.
 
-    At each node the target's own token is drawn by inverse CDF from one uniform per output
-    position (uniforms[d] for the token after the depth-d node); the walk moves to the child that
-    carries that token, and ends with it as the bonus when no child does. Each emitted token is
+    `probs[i]` is the target's next-token distribution at node i after its processors (warpers
+    included). At each node the target's own token is drawn by inverse CDF from one uniform per
+    output position (uniforms[d] for the token after the depth-d node, i.e. `position_uniforms(seed,
+    emitted, ...)` where `emitted` counts the answer's tokens so far); the walk moves to the child
+    that carries that token, and ends with it as the bonus when no child does. Each emitted token is
     therefore a draw from p at its position, exactly as plain sampling makes it, so the law is the
     target's (every token ~ p given the tokens before it). And since the draw depends only on p and
-    the position's uniform, a seeded answer is the same whatever tree, tree size or batch-mates a
-    cycle had, and the same as plain decoding with those uniforms. For one-hot drafts the chance to
-    accept some child is sum of p(child), as under the recursive rule (`accept_sampling`).
+    the position's uniform, a seeded answer is the same whatever tree, tree size, batch size or
+    batch-mates a cycle had, and the same as plain decoding with those uniforms. For one-hot
+    drafts the chance to accept some child is the sum of p over the children, as under the
+    recursive rejection rule of SpecInfer / EAGLE, which this rule replaced.
     """
     parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
     kids = children_lists(parents)
@@ -143,10 +102,31 @@ def accept_sampling_keyed(tree: DraftTree, probs: torch.Tensor, uniforms: list[f
     raise ValueError("fewer uniforms than the tree is deep")
 
 
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's increment (2^64 / golden ratio)
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finaliser (Stafford's mix 13): a bijection of 64-bit integers that avalanches."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
 def position_uniforms(seed: int, start: int, count: int) -> list[float]:
-    """One uniform per output position start .. start + count - 1, from (seed, position) alone."""
-    out = []
-    for t in range(start, start + count):
-        g = torch.Generator().manual_seed((seed * 1_000_003 + t) % (1 << 63))
-        out.append(float(torch.rand((), generator=g, dtype=torch.float64)))
-    return out
+    """The uniforms in [0, 1) of output positions start .. start + count - 1 under `seed`.
+
+    A position is the index of a token within the answer (0 = the first token, drawn at prefill).
+    Counter-based, a pure function of (seed, position): the uniform of position t is output
+    number t of a SplitMix64 stream whose state starts at mix64(seed mod 2^64), its top 53 bits as
+    a double (k / 2^53). So every decoder (batch 1, batched, graph mode; chat and generate) draws
+    the same uniform for the same token of a seeded answer, whatever its trees and batch-mates.
+    """
+    state = _mix64(seed & _MASK64)
+    return [(_mix64((state + (t + 1) * _GOLDEN) & _MASK64) >> 11) * (1.0 / (1 << 53)) for t in range(start, start + count)]
+
+
+def generation_seed(seed: int | None) -> int:
+    """The seed of one generation: the user's, or when none is given a fresh one from the OS's
+    entropy (so unseeded runs differ from run to run and from process to process)."""
+    return seed if seed is not None else secrets.randbits(64)

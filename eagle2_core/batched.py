@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .accept import accept_sampling_keyed, inverse_cdf, position_uniforms
+from .accept import accept_sampling_keyed, generation_seed, inverse_cdf, position_uniforms
 from .kvcache import num_cache_layers
 from .rowgemm import row_linears
 from .target import TargetRunner, capture_layer_inputs, fuse
@@ -465,7 +465,7 @@ def new_slot(key, gen, stop, summary, model=None, prompt=(), eos=()) -> Slot:
     from .sampling import TargetProcessors
 
     # unseeded: a fresh seed per sequence (still one stream per sequence, independent of its mates)
-    seed = gen.seed if gen.seed is not None else int(torch.randint(0, 1 << 62, ()).item())
+    seed = generation_seed(gen.seed)
     procs = TargetProcessors(gen, getattr(model, "generation_config", None), list(prompt) or [0], sorted(eos), gen.max_new_tokens)
     return Slot(key=key, stop=stop, procs=procs, prompt=list(prompt), seed=seed, summary=summary, started=time.perf_counter())
 

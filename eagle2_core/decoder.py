@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .accept import accept_greedy, accept_sampling
+from .accept import accept_greedy, accept_sampling_keyed, generation_seed, inverse_cdf, position_uniforms
 from .budget import BudgetChooser, on_accepted_path
 from .drafter import Drafter
 from .events import GenerationSettings, StepEvent, StopChecker, Summary, collect
@@ -77,7 +77,9 @@ class Eagle2Decoder:
         # what generate() applies to the target's logits, in its order; nothing at all by default
         procs = TargetProcessors(gen, getattr(run.model, "generation_config", None), ids, eos,
                                  max(0, min(gen.max_new_tokens, run.max_positions - ids.numel())), dev)
-        rng = torch.Generator().manual_seed(gen.seed) if gen.seed is not None else None
+        # sampling: one uniform per output position from (seed, position), as batched.py draws them,
+        # so a seeded answer is the same at every batch size and tree size (accept.accept_sampling_keyed)
+        seed = generation_seed(gen.seed) if procs.sampling else None
         cap = min(run.max_positions, ids.numel() + gen.max_new_tokens) + self.tree.total_tokens + self.tree.depth + 8
         cycle = self._cycle(cap)
         summary = Summary(prompt_tokens=ids.numel())
@@ -85,7 +87,7 @@ class Eagle2Decoder:
 
         # Prefill: the target reads the prompt and picks the first token itself (the first root).
         with cycle.session():
-            root = cycle.prefill(ids, lambda logits: self._pick(procs.scores(logits, ids[None]), procs.sampling, rng)[0])
+            root = cycle.prefill(ids, lambda logits: self._pick(procs.scores(logits, ids[None]), seed))
             history = ids  # every token before the root: what tree_scores extends along each path
             summary.target_forwards, summary.prefill_s = 1, time.perf_counter() - t0
             emitted = stop.push([root])
@@ -100,7 +102,9 @@ class Eagle2Decoder:
                 # each node's scores with its own history (sampling.TargetProcessors.tree_scores)
                 score = (lambda logits, nodes=None, _t=tree, _h=history: procs.tree_scores(logits, _h, _t, nodes)) if procs.active else None
                 if procs.sampling:
-                    accepted, deepest, new_tokens = cycle.verify_sampling(tree, score or (lambda logits, nodes=None: logits), rng)
+                    # uniforms of the positions after the root's (stop.count tokens emitted so far), one per depth
+                    uniforms = position_uniforms(seed, stop.count, int(tree.depth[-1]) + 1)  # nodes are in depth order
+                    accepted, deepest, new_tokens = cycle.verify_sampling(tree, score or (lambda logits, nodes=None: logits), uniforms)
                 elif score is not None:
                     accepted, deepest, new_tokens = cycle.verify_greedy(tree, score)
                 else:
@@ -121,11 +125,13 @@ class Eagle2Decoder:
         summary.finish(stop, time.perf_counter() - t0)
         yield summary
 
-    def _pick(self, scores, sampling: bool, rng) -> list[int]:
-        if not sampling:
-            return scores.argmax(-1).tolist()
-        probs = torch.softmax(scores.float(), dim=-1)
-        return torch.multinomial(probs.cpu(), 1, generator=rng).flatten().tolist()
+    @staticmethod
+    def _pick(scores, seed: int | None) -> int:
+        """The answer's first token: the argmax of the processed scores, or (seed given: sampling)
+        the draw of output position 0, as batched.pick_fn makes it."""
+        if seed is None:
+            return int(scores.argmax(-1)[0])
+        return inverse_cdf(torch.softmax(scores[0].float(), -1).cpu(), position_uniforms(seed, 0, 1)[0])
 
     def generate(self, prompt_ids, gen: GenerationSettings | None = None) -> tuple[list[int], Summary]:
         return collect(self.stream(prompt_ids, gen))
@@ -171,9 +177,10 @@ class EagerCycle:
         path, bonus = self._accept_greedy(tree, hidden, score)
         return self._commit(tree, features, path, bonus)
 
-    def verify_sampling(self, tree, score, rng):
+    def verify_sampling(self, tree, score, uniforms: list[float]):
+        """`uniforms[d]`: the uniform of the token after the depth-d node (accept.accept_sampling_keyed)."""
         hidden, features = self._forward(tree)
-        path, bonus = accept_sampling(tree, torch.softmax(score(self.run.logits(hidden)), dim=-1), rng)
+        path, bonus = accept_sampling_keyed(tree, torch.softmax(score(self.run.logits(hidden)).float(), dim=-1), uniforms)
         return self._commit(tree, features, path, bonus)
 
     def _commit(self, tree, features, path: list[int], bonus: int):

@@ -17,8 +17,9 @@ there (SGLang; see docs/gpu.md) run a cycle as a few graph replays. This is the 
 
 So `torch.compile(fullgraph=True)` captures each of the two functions whole (with
 mode="reduce-overhead" on CUDA, as CUDA graphs). Sampling keeps its host-side acceptance walk
-(accept.accept_sampling) between the two, uncaptured; so does greedy verification when the target
-has logits processors (repetition penalty, ...: sampling.TargetProcessors, host-side per depth).
+(accept.accept_sampling_keyed, the position-keyed rule of every decoder) between the two,
+uncaptured; so does greedy verification when the target has logits processors (repetition
+penalty, ...: sampling.TargetProcessors, host-side per depth).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from .accept import accept_greedy_graph, accept_sampling, path_tensor
+from .accept import accept_greedy_graph, accept_sampling_keyed, path_tensor
 from .drafter import Drafter
 from .kvcache import StaticKVCache, num_cache_layers
 from .rowgemm import row_linears
@@ -149,9 +150,10 @@ class GraphCycle:
         path, accepted, bonus = accept_greedy_graph(tree, argmax, self.width)
         return (path, bonus) + self.commit_fn(tree, features, self.seq_len, path, accepted, bonus)
 
-    def verify_sampling(self, tree: DraftTree, score, rng):
+    def verify_sampling(self, tree: DraftTree, score, uniforms: list[float]):
+        """`uniforms[d]`: the uniform of the token after the depth-d node (accept.accept_sampling_keyed)."""
         hidden, features = self._forward(tree, self.seq_len)
-        path_l, bonus_i = accept_sampling(tree, torch.softmax(score(self.run.logits(hidden)), dim=-1), rng)
+        path_l, bonus_i = accept_sampling_keyed(tree, torch.softmax(score(self.run.logits(hidden)).float(), dim=-1), uniforms)
         dev = tree.tokens.device
         path, bonus = path_tensor(path_l, self.width, dev), torch.tensor(bonus_i, device=dev)
         new_tokens, new_features, seq_len, n_new, readout = self.commit_fn(tree, features, self.seq_len, path,

@@ -274,75 +274,87 @@ def fitted_head():
     return distill_tiny_head
 
 
-# -- acceptance rules, correct and deliberately broken, for the losslessness tests ----------------
-ACCEPT_RULES = ("correct", "no_renorm_accept", "no_renorm_residual")
+# -- the sampling rule (accept.accept_sampling_keyed), correct and deliberately broken ------------
+KEYED_RULES = ("keyed", "stale_uniform")
 
 
-def _node_outcomes(parents: list[int], tokens: list[int], p: list[float], node: int, rule: str):
-    """Exact outcomes at one node: (probability, accepted child or None, bonus token or None).
+def _inverse_cdf(row: list[float], u: float) -> int:
+    """accept.inverse_cdf in plain floats: the first token whose cumulative mass exceeds u * total."""
+    total, acc = sum(row), 0.0
+    for x, r in enumerate(row):
+        acc += r
+        if acc > u * total:
+            return x
+    return len(row) - 1
 
-    correct:            accept child x w.p. p(x) / (1 - rejected mass); bonus from p minus rejected, renormalised
-    no_renorm_accept:   accept child x w.p. p(x) (the division by the mass left is forgotten)
-    no_renorm_residual: correct acceptance, but the bonus is drawn from the full p (rejected tokens not removed)
+
+def _stale_walk(parents: list[int], tokens: list[int], rows: list[list[float]], u: float) -> tuple[int, ...]:
+    """The tokens one cycle emits when one uniform `u` draws at every depth (the stale_uniform bug)."""
+    node, out = 0, []
+    while True:
+        x = _inverse_cdf(rows[node], u)
+        out.append(x)
+        child = next((c for c in range(1, len(parents)) if parents[c] == node and tokens[c] == x), None)
+        if child is None:
+            return tuple(out)
+        node = child
+
+
+def keyed_law(parents: list[int], tokens: list[int], probs, rule: str = "keyed", max_tokens: int | None = None) -> dict:
+    """Exact law of the tokens one cycle emits (accepted path tokens + bonus) under `rule`,
+    truncated to the first `max_tokens`; keys are token tuples, values probabilities.
+
+    keyed:          the rule: the token after the depth-d node is drawn from p at that node with the
+                    uniform of its own position, so each emitted token ~ p at its node
+    stale_uniform:  a keying bug: the position is not advanced within a cycle, one uniform draws at
+                    every depth (exact: the walk is constant between the rows' CDF breakpoints)
     """
-    kids = [c for c in range(len(parents)) if parents[c] == node]
-    out, reach, rejected_mass, rejected = [], 1.0, 0.0, []
-    for c in kids:
-        if tokens[c] in rejected:
-            continue
-        pc, left = p[tokens[c]], 1.0 - rejected_mass
-        a = pc if rule == "no_renorm_accept" else (pc / left if left > 0 else 0.0)
-        a = min(max(a, 0.0), 1.0)
-        out.append((reach * a, c, None))
-        reach *= 1.0 - a
-        rejected.append(tokens[c])
-        rejected_mass += pc
-    row = list(p)
-    if rule != "no_renorm_residual":
-        for t in rejected:
-            row[t] = 0.0
-    if sum(row) <= 0:
-        row = list(p)
-    total = sum(row)
-    out += [(reach * r / total, None, y) for y, r in enumerate(row) if r > 0]
-    return out
-
-
-def acceptance_law(parents: list[int], tokens: list[int], probs, rule: str = "correct", max_tokens: int | None = None) -> dict:
-    """Exact law of the tokens one cycle emits under `rule` (accepted path tokens + bonus),
-    truncated to the first `max_tokens`; keys are token tuples, values probabilities."""
     rows = [[float(v) for v in r] for r in probs]
     law: dict[tuple[int, ...], float] = {}
 
+    def add(seq, q):
+        key = seq[:max_tokens] if max_tokens else seq
+        law[key] = law.get(key, 0.0) + q
+
+    if rule == "stale_uniform":
+        cuts = {0.0, 1.0}
+        for r in rows:
+            total, acc = sum(r), 0.0
+            for v in r:
+                acc += v
+                cuts.add(min(1.0, acc / total))
+        cuts = sorted(cuts)
+        for lo, hi in zip(cuts, cuts[1:]):
+            if hi > lo:
+                add(_stale_walk(parents, tokens, rows, (lo + hi) / 2), hi - lo)
+        return law
+    assert rule == "keyed", rule
+
     def walk(node, prefix, pr):
         if max_tokens is not None and len(prefix) >= max_tokens:
-            law[prefix] = law.get(prefix, 0.0) + pr
+            add(prefix, pr)
             return
-        for q, child, bonus in _node_outcomes(parents, tokens, rows[node], node, rule):
+        for x, q in enumerate(rows[node]):
             if q <= 0:
                 continue
-            if child is not None:
-                walk(child, prefix + (tokens[child],), pr * q)
+            child = next((c for c in range(1, len(parents)) if parents[c] == node and tokens[c] == x), None)
+            if child is None:
+                add(prefix + (x,), pr * q / sum(rows[node]))
             else:
-                key = (prefix + (bonus,))[: max_tokens] if max_tokens else prefix + (bonus,)
-                law[key] = law.get(key, 0.0) + pr * q
+                walk(child, prefix + (x,), pr * q / sum(rows[node]))
     walk(0, (), 1.0)
     return law
 
 
-def broken_accept_sampling(rule: str):
-    """A sampling acceptance function implementing `rule` (same signature as accept_sampling)."""
-    def accept(tree, probs, generator=None):
-        parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
-        node, path = 0, [0]
-        while True:
-            outcomes = _node_outcomes(parents, tokens, probs[node].double().tolist(), node, rule)
-            i = int(torch.multinomial(torch.tensor([max(q, 0.0) for q, _, _ in outcomes], dtype=torch.float64), 1, generator=generator))
-            _, child, bonus = outcomes[i]
-            if child is None:
-                return path, bonus
-            path.append(child)
-            node = child
+def broken_keyed_rule(rule: str):
+    """A sampling acceptance function implementing the broken `rule` (same signature as
+    accept.accept_sampling_keyed), to show the losslessness tests reject it."""
+    from eagle2_core.accept import accept_sampling_keyed
+
+    assert rule == "stale_uniform", rule
+
+    def accept(tree, probs, uniforms):
+        return accept_sampling_keyed(tree, probs, [uniforms[0]] * len(uniforms))
     return accept
 
 

@@ -9,10 +9,11 @@ hybrid; vocabulary 12, context 40), with a draft head fitted to each:
     chosen per cycle by the planner, and with an EAGLE-3 head;
   * batch composition never changes an answer: one prompt alone, with short mates, with long
     mates, and joining mid-run all give the same tokens;
-  * sampling: the keyed rule (accept.accept_sampling_keyed) makes a seeded answer independent
-    of the tree, the tree size and the batch-mates (so equal to plain sampling with the same
-    uniforms), and its law is the target's (exact check over a grid of uniforms; Monte Carlo with
-    batch-mates, with its power stated);
+  * sampling: the keyed rule (accept.accept_sampling_keyed), the one rule of every decoder, makes
+    a seeded answer independent of the tree, the tree size and the batch-mates (so equal to plain
+    sampling with the same uniforms) and the same as the batch-1 decoder's (eager, per-cycle
+    budget, graph mode), and its law is the target's (exact check over a grid of uniforms; Monte
+    Carlo with batch-mates, with its power stated);
   * the planner chooses by measured cost: plain at large batch where rows are dear, trees where
     rows are nearly free.
 """
@@ -24,7 +25,7 @@ import random
 import pytest
 import torch
 
-from eagle2_core.accept import accept_sampling_keyed, inverse_cdf, position_uniforms
+from eagle2_core.accept import accept_sampling_keyed, inverse_cdf
 from eagle2_core.batched import BatchDecoder, BatchPlanner, Request, accept_greedy_batch, plan, prior_expected, rerank_batch
 from eagle2_core.costs import BatchCosts
 from eagle2_core.events import GenerationSettings
@@ -210,10 +211,33 @@ def test_batched_sampling_follows_the_target_law(tiny_lm):
     assert pval > 1e-3
 
 
-def test_position_uniforms_depend_on_seed_and_position_only():
-    a = position_uniforms(5, 3, 4)
-    assert a == position_uniforms(5, 3, 2) + position_uniforms(5, 5, 2)
-    assert a != position_uniforms(6, 3, 4) and all(0 <= u < 1 for u in a)
+def test_seeded_answer_is_the_same_in_every_decoder(tiny_lm):
+    """One sampling rule, one uniform per output position: a seeded answer (temperature 0.8) is
+    the same from the batch-1 decoder (Eagle2Decoder: trees of 4 and 8 nodes, the per-cycle
+    budget, graph mode) and from the batched decoder at B = 1 and B = 3 with batch-mates, trees
+    and plain; seeds past 2^63 and negative ones included. Different seeds give different answers."""
+    from eagle2_core import Eagle2Decoder, TreeSettings
+
+    model = tiny_sampling_model(tiny_lm)
+    head = distill_tiny_head(model, steps=60)
+    prompt = [1, 2, 3, 0]
+    tree = lambda n, **kw: TreeSettings(shape="dynamic", total_tokens=n, depth=3, top_k=3, **kw)  # noqa: E731
+    eager = {"eager N=4": Eagle2Decoder(model, head, tree=tree(4)), "eager N=8": Eagle2Decoder(model, head, tree=tree(8)),
+             "eager auto budget": Eagle2Decoder(model, head, tree=tree(8, budget="auto")),
+             "graph N=8": Eagle2Decoder(model, head, tree=tree(8), graph=True)}
+    seen = set()
+    for seed in (7, 2**63 + 5, -3):
+        g = GenerationSettings(max_new_tokens=12, temperature=0.8, seed=seed, eos_token_ids=())
+        answers = {name: dec.generate(prompt, g)[0] for name, dec in eager.items()}
+        for batch, n in ((1, 4), (1, 1), (3, 6), (3, 1)):
+            mates = [Request(i, [4, 4, i], GenerationSettings(max_new_tokens=4 + 5 * i, temperature=1.0, seed=100 + i, eos_token_ids=()))
+                     for i in range(1, batch)]
+            out, _ = run_batch(model, head, [Request(0, prompt, g)] + mates, batch, n, depth=3)
+            answers[f"batched B={batch} N={n}"] = out[0][0]
+        assert len({tuple(a) for a in answers.values()}) == 1, (seed, answers)
+        assert len(answers["eager N=4"]) == 12
+        seen.add(tuple(answers["eager N=4"]))
+    assert len(seen) == 3
 
 
 # -- choosing by measured cost ------------------------------------------------------------------

@@ -37,7 +37,6 @@ from eagle2_core.sampling import HISTORY_FREE, TargetProcessors, UnsupportedGene
 from eagle2_core.tree import tree_from_parents
 from eagle2_core.vanilla import VanillaDecoder
 
-from conftest import acceptance_law
 
 VOCAB, MAXPOS = 12, 40
 EOS = 11
@@ -276,7 +275,7 @@ def test_sampling_follows_the_processed_law(sampling_env, name, monkeypatch):
     unprocessed = exact_target_law(model, GenerationSettings(temperature=kw["temperature"], top_k=kw.get("top_k", 0)))
     assert max_gap(exact, unprocessed) > 1e-2  # the penalties change the law
     p0 = [sum(v for k, v in exact.items() if k[0] == a) for a in range(V)]
-    got = engine_rule_law(dec, gen, p0, "correct", monkeypatch)
+    got = engine_rule_law(dec, gen, p0, "keyed", monkeypatch)
     assert sum(got.values()) == pytest.approx(1.0, abs=1e-6)
     assert max_gap(got, exact) < 1e-6, max_gap(got, exact)
     # processing each node with the root's history alone (path tokens dropped) is detectably wrong
@@ -286,7 +285,7 @@ def test_sampling_follows_the_processed_law(sampling_env, name, monkeypatch):
 
     with monkeypatch.context() as mp:
         mp.setattr(TargetProcessors, "tree_scores", root_history_only)
-        broken = engine_rule_law(dec, gen, p0, "correct", monkeypatch)
+        broken = engine_rule_law(dec, gen, p0, "keyed", monkeypatch)
     assert max_gap(broken, exact) > 1e-3, max_gap(broken, exact)  # a thousand times the tolerance above
 
 

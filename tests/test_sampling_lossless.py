@@ -1,10 +1,12 @@
 """Sampling is lossless: EAGLE-2 decoding samples exactly from the target's processed distribution.
 
-Target: a 1-layer random Llama with a 5-token vocabulary; draft: a random head (dynamic tree,
-8 nodes, depth 3, top-k 3), so drafts are often wrong and all branches of the rule run. The law
-tested is the joint law of the first 3 generated tokens (125 cells) of a 4-token generation:
-token 1 comes from the prefill, tokens 2-3 from the first cycle's accepted path / bonus at depth
-1 and 2, or from a second cycle.
+The rule is the position-keyed one of every decoder (accept.accept_sampling_keyed: each token is
+drawn by inverse CDF from the uniform of its output position, `position_uniforms(seed,
+position)`). Target: a 1-layer random Llama with a 5-token vocabulary; draft: a random head
+(dynamic tree, 8 nodes, depth 3, top-k 3), so drafts are often wrong and every branch of the
+walk runs. The law tested is the joint law of the first 3 generated tokens (125 cells) of a
+4-token generation: token 1 comes from the prefill, tokens 2-3 from the first cycle's accepted
+path / bonus at depth 1 and 2, or from a second cycle.
 
   * exact reference: P(x1, x2, x3) = p(x1) p(x2 | x1) p(x3 | x1 x2), enumerated from full causal
     forwards of the target with the same warpers (`make_warpers` / `target_probs`);
@@ -12,25 +14,31 @@ token 1 comes from the prefill, tokens 2-3 from the first cycle's accepted path 
     probabilities (captured by forcing each outcome) under the rule, written out exactly;
   * Monte Carlo: N fixed-seed generations, Pearson chi-square (cells with expected < 5 pooled),
     reject at alpha = 0.001;
-  * power: the exact laws of two deliberately broken rules (acceptance p(x) not divided by the
-    mass left; bonus from p without removing rejected siblings) are computed the same way, and the
-    test's power against them follows from the noncentral chi-square with noncentrality
-    N * sum((p_broken - p)^2 / p). Required: >= 0.999 against both at temperature 1, against the
-    residual rule at T0.8/top-k 3/top-p 0.9 (printed with -s); the same statistic must then
-    actually reject the broken rules when they are monkeypatched into
-    `eagle2_core.decoder.accept_sampling`.
+  * power against WRONG LAWS, each the law of a plausible bug, computed exactly and turned into
+    the test's power by the noncentral chi-square (noncentrality N * sum((p_wrong - p)^2 / p)):
+      - unprocessed: the walk draws from the target's raw softmax, its warpers (temperature,
+        top-k, top-p) not applied; its law is the T1 target law (tree-independent, since every
+        keyed draw is a draw from the row it is given);
+      - stale_uniform: the position is not advanced within a cycle, so one uniform draws every
+        depth of it (law from the engine's own trees, integrated exactly over the uniform);
+      - no_temperature (reported only): the warpers without the temperature;
+    required: >= 0.999 against stale_uniform at T1, against stale_uniform and unprocessed at
+    T0.8/top-k 3/top-p 0.9 (printed with -s); the same statistic must then actually reject each
+    bug when it is monkeypatched into the decoder (`eagle2_core.decoder.accept_sampling_keyed`,
+    and the processors of `sampling.TargetProcessors`), and accept the bug's own law.
 
-N is the smallest multiple of 50 whose power meets the requirement (the exact analytic test
-above already proves the law; the samples check the engine's random draws against it). Power at
-alpha = 0.001 from `chisquare_power` on these laws, by N (it is not monotone in N because the
-pooling of small cells changes with N):
+N is the smallest multiple of 50 meeting the requirement (the exact analytic test above already
+proves the law; the samples check the engine's draws against it). Power at alpha = 0.001 from
+`chisquare_power` on these laws, by N (not monotone in N: the pooling of small cells changes):
 
-    T1, vs no_renorm_accept:      800: 0.9937  850: 0.9969  900: 0.9984  950: 0.9993  1000: 0.9996
-    T1, vs no_renorm_residual:    350: 0.9917  400: 0.9975  450: 0.99996
-    T0.8-topk3-topp0.9, residual: 300: 0.9778  350: 0.9992  400: 0.99998
+    T1, vs stale_uniform:              350: 0.98695  400: 0.99830  450: 1.00000
+    T0.8-topk3-topp0.9, stale_uniform: 300: 0.66809  350: 0.99809  400: 1.00000
+    T0.8-topk3-topp0.9, unprocessed:   1.00000 from N = 100 (its law puts mass on outcomes top-k
+                                       and top-p remove, which the test rejects outright)
+    T0.8-topk3-topp0.9, no_temperature (reported, not required): 400: 0.95236  800: 0.99810
 
-so the correct rule is sampled N = 950 times at T1 and 350 times at T0.8; the broken rules 950
-(no_renorm_accept) and 450 (no_renorm_residual) times. (These ran at N = 1000 each before.)
+so the correct rule is sampled N = 450 times at T1 and 400 times at T0.8 (950 and 350 under the
+recursive rule this replaced); the bugs 450 (stale_uniform) and 100 (unprocessed) times.
 """
 from __future__ import annotations
 
@@ -43,21 +51,24 @@ import torch
 import eagle2_core.decoder as decoder_mod
 from eagle2_core import Eagle2Decoder, GenerationSettings, TreeSettings
 from eagle2_core.head import DraftHead, HeadSpec
-from eagle2_core.sampling import make_warpers, target_probs
+from eagle2_core.sampling import TargetProcessors, make_warpers, target_probs
 
-from conftest import acceptance_law, broken_accept_sampling, chisquare_power, pooled_chisquare
+from conftest import broken_keyed_rule, chisquare_power, keyed_law, pooled_chisquare
 
 V = 5
 PROMPT = [1, 2, 3, 0]
 MAX_NEW = 4        # generate 4 tokens, test the first 3: cycle 1 drafts depth <= 2
-N_SAMPLES = {"T1": 950, "T0.8-topk3-topp0.9": 350}             # correct rule, per setting (see above)
-N_BROKEN = {"no_renorm_accept": 950, "no_renorm_residual": 450}  # broken rules, at T1
+N_SAMPLES = {"T1": 450, "T0.8-topk3-topp0.9": 400}         # correct rule, per setting (see above)
+N_BROKEN = {"stale_uniform": 450, "unprocessed": 100}      # the bugs, at T1 and at T0.8 (see above)
+BROKEN_SETTING = {"stale_uniform": "T1", "unprocessed": "T0.8-topk3-topp0.9"}
 POWER = 0.999
 ALPHA = 1e-3
 GENS = {
     "T1": dict(temperature=1.0),
     "T0.8-topk3-topp0.9": dict(temperature=0.8, top_k=3, top_p=0.9),
 }
+WRONG = {"T1": ("stale_uniform",), "T0.8-topk3-topp0.9": ("stale_uniform", "unprocessed", "no_temperature")}
+REQUIRED = {"T1": ("stale_uniform",), "T0.8-topk3-topp0.9": ("stale_uniform", "unprocessed")}  # >= POWER at N_SAMPLES
 
 
 @pytest.fixture(scope="module")
@@ -91,31 +102,32 @@ def capture_trees(dec, gen: GenerationSettings, x1: int, forced: list, monkeypat
     seen = []
     outcomes = iter(forced)
 
-    def fake_accept(tree, probs, generator=None):
+    def fake_accept(tree, probs, uniforms):
         seen.append((tree, probs.clone()))
         return next(outcomes, ([0], 0))
 
     with monkeypatch.context() as mp:
-        mp.setattr(decoder_mod, "accept_sampling", fake_accept)
-        mp.setattr(decoder_mod.Eagle2Decoder, "_pick", lambda self, logits, warpers, rng: [x1])
+        mp.setattr(decoder_mod, "accept_sampling_keyed", fake_accept)
+        mp.setattr(decoder_mod.Eagle2Decoder, "_pick", lambda self, scores, seed: x1)
         dec.generate(PROMPT, GenerationSettings(**{**vars(gen), "max_new_tokens": MAX_NEW, "seed": 0}))
     return seen
 
 
 def engine_rule_law(dec, gen: GenerationSettings, p0: list[float], rule: str, monkeypatch) -> dict:
-    """Exact law of the first 3 tokens under `rule`, on the trees the engine really builds."""
+    """Exact law of the first 3 tokens under `rule` (conftest.keyed_law), on the trees the engine
+    really builds; token 1 (the prefill's draw, one position of its own) has law p0."""
     law: dict = {}
     for a in range(V):
         if p0[a] <= 0:
             continue
         t1, pr1 = capture_trees(dec, gen, a, [], monkeypatch)[0]
-        for seq, q in acceptance_law(t1.parents.tolist(), t1.tokens.tolist(), pr1.double(), rule, max_tokens=2).items():
+        for seq, q in keyed_law(t1.parents.tolist(), t1.tokens.tolist(), pr1.double(), rule, max_tokens=2).items():
             if len(seq) == 2:
                 law[(a,) + seq] = law.get((a,) + seq, 0.0) + p0[a] * q
                 continue
             # the first cycle emitted only its bonus: token 3 is the first token of cycle 2
             t2, pr2 = capture_trees(dec, gen, a, [([0], seq[0])], monkeypatch)[1]
-            for seq2, q2 in acceptance_law(t2.parents.tolist(), t2.tokens.tolist(), pr2.double(), rule, max_tokens=1).items():
+            for seq2, q2 in keyed_law(t2.parents.tolist(), t2.tokens.tolist(), pr2.double(), rule, max_tokens=1).items():
                 key = (a, seq[0], seq2[0])
                 law[key] = law.get(key, 0.0) + p0[a] * q * q2
     return law
@@ -126,19 +138,16 @@ def laws_for(env, name: str, monkeypatch) -> dict:
         gen = GenerationSettings(**GENS[name])
         exact = exact_target_law(env["model"], gen)
         p0 = [sum(v for k, v in exact.items() if k[0] == a) for a in range(V)]
-        env["laws"][name] = {"exact": exact, **{r: engine_rule_law(env["dec"], gen, p0, r, monkeypatch)
-                                                for r in ("correct", "no_renorm_accept", "no_renorm_residual")}}
+        env["laws"][name] = {"exact": exact, **{r: engine_rule_law(env["dec"], gen, p0, r, monkeypatch) for r in ("keyed", "stale_uniform")},
+                             "unprocessed": exact_target_law(env["model"], GenerationSettings(temperature=1.0)),
+                             "no_temperature": exact_target_law(env["model"], GenerationSettings(**{**GENS[name], "temperature": 1.0}))}
     return env["laws"][name]
 
 
 def sample_seeds(n: int) -> list[int]:
-    """Fixed per-sample seeds, spread over 63 bits by one Python RNG rather than 0..n-1.
-
-    (With seeds 0..999 the correct rule scored p = 1.6e-4, while ten other blocks of 1000 seeds,
-    consecutive or spread, scored p = 0.16 .. 0.89 and a block of 6000 p = 0.30; the exact
-    analytic test passes to 1e-6. Small consecutive Mersenne-Twister seeds are not independent
-    streams in any guaranteed sense, so the samples use spread-out seeds.)
-    """
+    """Fixed per-sample seeds, spread over 63 bits by one Python RNG rather than 0..n-1 (the
+    uniforms are a hash of (seed, position), so any seeds would do; spread ones also keep the
+    samples apart from the small seeds other tests use)."""
     rng = random.Random(0)
     return [rng.getrandbits(63) for _ in range(n)]
 
@@ -156,14 +165,14 @@ def sample_counts(dec, gen_kw: dict, n: int) -> Counter:
 def test_engine_trees_give_exact_target_law(env, name, monkeypatch):
     """Analytic: the rule applied to the engine's own trees and verification probabilities yields
     exactly the target's law (so tree attention, positions and the rule are all right), while
-    the two broken rules do not."""
+    the wrong laws are far from it."""
     laws = laws_for(env, name, monkeypatch)
-    exact, correct = laws["exact"], laws["correct"]
+    exact, correct = laws["exact"], laws["keyed"]
     assert sum(correct.values()) == pytest.approx(1.0, abs=1e-6)  # float32 verification probabilities
     for k in set(exact) | set(correct):
         assert correct.get(k, 0.0) == pytest.approx(exact.get(k, 0.0), abs=1e-6), k
-    for rule in ("no_renorm_accept", "no_renorm_residual"):
-        assert max(abs(laws[rule].get(k, 0.0) - exact.get(k, 0.0)) for k in set(exact) | set(laws[rule])) > 5e-3
+    for rule in WRONG[name]:
+        assert max(abs(laws[rule].get(k, 0.0) - exact.get(k, 0.0)) for k in set(exact) | set(laws[rule])) > 5e-3, rule
 
 
 @pytest.mark.parametrize("name", list(GENS))
@@ -172,30 +181,44 @@ def test_sampling_matches_target_law(env, name, monkeypatch):
     exact, n = laws["exact"], N_SAMPLES[name]
     counts = sample_counts(env["dec"], GENS[name], n)
     stat, dof, pval, bins = pooled_chisquare(counts, exact, n)
-    power = {r: chisquare_power(exact, laws[r], bins, n, ALPHA) for r in ("no_renorm_accept", "no_renorm_residual")}
-    print(f"\n[lossless] {name}: correct rule, N={n}: chi2={stat:.1f} df={dof} p={pval:.3f}; "
-          f"power at alpha={ALPHA} vs no_renorm_accept={power['no_renorm_accept']:.4f}, "
-          f"vs no_renorm_residual={power['no_renorm_residual']:.4f}")
+    power = {r: chisquare_power(exact, laws[r], bins, n, ALPHA) for r in WRONG[name]}
+    print(f"\n[lossless] {name}: keyed rule, N={n}: chi2={stat:.1f} df={dof} p={pval:.3f}; power at alpha={ALPHA} vs "
+          + ", ".join(f"{r}={v:.4f}" for r, v in power.items()))
     assert pval > ALPHA
-    assert power["no_renorm_residual"] >= POWER
-    if name == "T1":
-        assert power["no_renorm_accept"] >= POWER
+    for r in REQUIRED[name]:
+        assert power[r] >= POWER, (r, power[r])
 
 
-@pytest.mark.parametrize("rule", ["no_renorm_accept", "no_renorm_residual"])
+def unprocessed(mp) -> None:
+    """The bug: the target's processors (warpers included) are skipped, so the walk draws from the raw softmax."""
+    mp.setattr(TargetProcessors, "scores", lambda self, logits, ids: logits)
+    mp.setattr(TargetProcessors, "tree_scores", lambda self, logits, history, tree, nodes=None: logits)
+
+
+@pytest.mark.parametrize("rule", list(N_BROKEN))
 def test_broken_rule_is_rejected(env, rule, monkeypatch):
-    """The same statistic, same seeds, with a deliberately broken acceptance rule: must reject,
-    at an N where the test's power against that rule is >= 0.999 (module docstring)."""
-    laws = laws_for(env, "T1", monkeypatch)
+    """The same statistic, same seeds, with a deliberate bug in the decoder: must reject, at an N
+    where the test's power against that bug's law is >= 0.999 (module docstring)."""
+    name = BROKEN_SETTING[rule]
+    laws = laws_for(env, name, monkeypatch)
     n = N_BROKEN[rule]
     with monkeypatch.context() as mp:
-        mp.setattr(decoder_mod, "accept_sampling", broken_accept_sampling(rule))
-        counts = sample_counts(env["dec"], GENS["T1"], n)
-    stat, dof, pval, bins = pooled_chisquare(counts, laws["exact"], n)
-    print(f"\n[lossless] T1: BROKEN rule {rule}, N={n}: chi2={stat:.1f} df={dof} p={pval:.2e}")
+        if rule == "unprocessed":
+            unprocessed(mp)
+        else:
+            mp.setattr(decoder_mod, "accept_sampling_keyed", broken_keyed_rule(rule))
+        counts = sample_counts(env["dec"], GENS[name], n)
+    outside = sum(c for k, c in counts.items() if laws["exact"].get(k, 0.0) <= 0)  # outcomes the target's law cannot give
+    if outside:  # rejected outright (pooled_chisquare refuses such counts)
+        _, _, _, bins = pooled_chisquare({}, laws["exact"], n)
+        pval = 0.0
+        print(f"\n[lossless] {name}: BROKEN {rule}, N={n}: {outside} outcomes of probability zero under the target's law")
+    else:
+        stat, dof, pval, bins = pooled_chisquare(counts, laws["exact"], n)
+        print(f"\n[lossless] {name}: BROKEN {rule}, N={n}: chi2={stat:.1f} df={dof} p={pval:.2e}")
     assert chisquare_power(laws["exact"], laws[rule], bins, n, ALPHA) >= POWER
     assert pval < ALPHA
-    # and the broken run is consistent with the broken rule's own exact law (the harness is sound)
+    # and the broken run is consistent with the bug's own exact law (the harness is sound)
     stat_b, dof_b, pval_b, _ = pooled_chisquare(counts, laws[rule], n)
     assert pval_b > ALPHA, (stat_b, dof_b, pval_b)
 
