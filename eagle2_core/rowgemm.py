@@ -201,7 +201,9 @@ def kernel_for(x: torch.Tensor, weight: torch.Tensor) -> str:
     if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
         return "linear"  # training keeps linear's backward
     k = PLAN.kernel(x.numel() // max(1, x.shape[-1]), weight)
-    if k == "packed" and _packed_of(weight) is None:
+    # A captured cycle (graph mode, `--compile`) cannot trace the packing look-up (an opaque
+    # oneDNN tensor found by id): it runs `linear` there, and inductor prepacks weights its own way.
+    if k == "packed" and (torch.compiler.is_compiling() or _packed_of(weight) is None):
         return "linear"
     return k
 

@@ -83,6 +83,32 @@ def test_compiled_cycle_identity_without_recompiles(env):
     assert [layer.keys.data_ptr() for layer in cycle.cache.layers] == ptrs  # captured inputs never move
 
 
+def test_capture_holds_under_every_kernel(tiny_lm, fitted_head, monkeypatch):
+    """Whatever kernel the product plan picks (rowgemm.py, each forced here), the cycle is still
+    captured whole: the packed kernel steps aside inside a capture, the others trace."""
+    import torch._dynamo
+
+    from eagle2_core import rowgemm
+    from eagle2_core.costs import product_weights
+
+    model = tiny_lm("llama", vocab_size=VOCAB, max_position_embeddings=MAXPOS)
+    head = fitted_head(model)
+    case = build_cases(model, seed=3100)[0]
+    before = rowgemm.PLAN
+    try:
+        for kernel in [k for k in rowgemm.KERNELS if k != "packed" or rowgemm.HAVE_PACKED]:
+            monkeypatch.setenv("EAGLE2_KERNEL", kernel)
+            rowgemm.install_plan(rowgemm.ProductPlan())
+            rowgemm.prepare(product_weights(model, head))
+            torch._dynamo.reset()
+            dec = Eagle2Decoder(model, head, tree=TREE, compile="aot_eager")
+            out, _ = dec.generate(case["ids"], GenerationSettings(max_new_tokens=case["n"], eos_token_ids=case["eos"]))
+            assert dec._graph.backend == "aot_eager" and not dec.capture_failure, (kernel, dec.capture_failure)
+            assert out == case["ref"], kernel
+    finally:
+        rowgemm.PLAN = before
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_a_graph_cycle_dispatches_the_same_ops_and_reads_nothing(tiny_lm, fitted_head, arch):
     model = tiny_lm(arch, vocab_size=VOCAB, max_position_embeddings=256)
