@@ -172,7 +172,8 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
     # First which kernel each product takes (rowgemm.py): every timing below runs under that plan,
     # with its packings made, as a generation will run.
     weights = product_weights(model, head)
-    products = measure_products(weights, reps=reps)
+    # EAGLE2_KERNEL forces one kernel: there is nothing to choose, so nothing to time
+    products = {} if rowgemm.env_forced() else measure_products(weights, reps=reps)
     rowgemm.install_plan(product_plan(products))
     rowgemm.prepare(weights)
     floor_ms, weight_bytes = measure_stream_floor(model, reps)

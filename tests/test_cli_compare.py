@@ -61,7 +61,7 @@ def test_compare_file_baselines_categories_plot(tmp_path, tiny_model_dir, tiny_h
                    '{"question_id": 2, "category": "writing", "turns": ["Write a poem"]}\n'
                    '{"question_id": 3}\n')
     r = CliRunner().invoke(cli, ["compare", "-f", str(inp), "--against", "pld,static,chain", "--json", str(out),
-                                 "--plot", str(png), "--warmup-tokens", "1"] + model_args(tiny_model_dir, tiny_head_dir, 4))
+                                 "--plot", str(png), "--warmup-tokens", "1", "--no-plain"] + model_args(tiny_model_dir, tiny_head_dir, 4))
     assert r.exit_code == 1, r.output + r.stderr  # the bad third line is reported, the rest runs
     assert f"{inp}:3: field 'prompt'" in r.stderr
     d = json.loads(out.read_text())
@@ -89,7 +89,7 @@ def test_compare_option_errors(tiny_model_dir):
 def test_compare_sweeps_tree_sizes_against_one_baseline(tmp_path, tiny_model_dir, tiny_head_dir):
     out = tmp_path / "c.json"
     r = CliRunner().invoke(cli, ["compare", "--dataset", "mt-bench", "--limit", "2", "--against", "tree:3/2/1,tree:12/4/3",
-                                 "--json", str(out), "--warmup-tokens", "0"] + model_args(tiny_model_dir, tiny_head_dir))
+                                 "--json", str(out), "--warmup-tokens", "0", "--no-plain"] + model_args(tiny_model_dir, tiny_head_dir))
     assert r.exit_code == 0, r.output + r.stderr
     d = json.loads(out.read_text())
     assert d["tree:3/2/1"]["identical"] == 2 and d["tree:12/4/3"]["identical"] == 2
@@ -103,7 +103,7 @@ def test_compare_graph_mode_and_compiled_generate(tmp_path, tiny_model_dir, tiny
     same run: identical outputs, and aten ops per cycle (with host reads) for each EAGLE method."""
     out = tmp_path / "c.json"
     r = CliRunner().invoke(cli, ["compare", "--vanilla", "--dataset", "mt-bench", "--limit", "2", "--against",
-                                 "graph,generate-compiled", "--json", str(out), "--warmup-tokens", "2"]
+                                 "graph,generate-compiled", "--json", str(out), "--warmup-tokens", "2", "--no-plain"]
                            + model_args(tiny_model_dir, tiny_head_dir))
     assert r.exit_code == 0, r.output + r.stderr
     d = json.loads(out.read_text())
@@ -123,7 +123,7 @@ def test_compare_batched_rows(tmp_path, tiny_model_dir, tiny_head_dir):
 
     js = tmp_path / "c.json"
     r = CliRunner().invoke(cli, ["compare", "--model", tiny_model_dir, "--draft", tiny_head_dir, "--device", "cpu", "-n", "6",
-                                 "--limit", "4", "--batch-size", "3", "--against", "batch:2x1,batch:4x3", "--json", str(js)])
+                                 "--limit", "4", "--batch-size", "3", "--against", "batch:2x1,batch:4x3", "--json", str(js), "--no-plain"])
     assert r.exit_code == 0, r.output + str(r.exception)
     assert "batch 3" in r.output and "batch 2, plain" in r.output and "batch 4, tree 3" in r.output
     d = _json.loads(js.read_text())

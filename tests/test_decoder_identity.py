@@ -148,7 +148,7 @@ def test_greedy_identity_for_both_lm_head_plans(arch_env, rows_cheap):
         assert max(rows_seen) < SHAPES["dynamic"].total_tokens and rows_seen.count(1) > len(arch_env["cases"])
 
 
-@pytest.mark.parametrize("kernel", ["linear", "transposed", "packed"])
+@pytest.mark.parametrize("kernel", ["transposed", "packed"])  # linear: every other identity test (the suite pins it)
 def test_greedy_identity_with_each_kernel_forced(arch_env, kernel, monkeypatch):
     """Every kernel the product plan may choose (rowgemm.py), forced for every product of the
     target and the head in turn (EAGLE2_KERNEL, which a measured plan cannot override), keeps

@@ -83,9 +83,9 @@ def test_compiled_cycle_identity_without_recompiles(env):
     assert [layer.keys.data_ptr() for layer in cycle.cache.layers] == ptrs  # captured inputs never move
 
 
-def test_capture_holds_under_every_kernel(tiny_lm, fitted_head, monkeypatch):
-    """Whatever kernel the product plan picks (rowgemm.py, each forced here), the cycle is still
-    captured whole: the packed kernel steps aside inside a capture, the others trace."""
+def test_capture_holds_under_the_packed_kernel(tiny_lm, fitted_head, monkeypatch):
+    """Where the product plan picks oneDNN's packed kernel (rowgemm.py, forced here), the cycle is
+    still captured whole: the packed kernel steps aside inside a capture (it used to fall back)."""
     import torch._dynamo
 
     from eagle2_core import rowgemm
@@ -96,7 +96,8 @@ def test_capture_holds_under_every_kernel(tiny_lm, fitted_head, monkeypatch):
     case = build_cases(model, seed=3100)[0]
     before = rowgemm.PLAN
     try:
-        for kernel in [k for k in rowgemm.KERNELS if k != "packed" or rowgemm.HAVE_PACKED]:
+        # linear: the other capture tests (the suite pins it); transposed traces as plain aten ops
+        for kernel in [k for k in ("packed",) if rowgemm.HAVE_PACKED] or ["transposed"]:
             monkeypatch.setenv("EAGLE2_KERNEL", kernel)
             rowgemm.install_plan(rowgemm.ProductPlan())
             rowgemm.prepare(product_weights(model, head))
