@@ -69,6 +69,7 @@ def tune(batch, json_path, common):
         out.print("plan: " + plan.describe().replace("\n", "; "), highlight=False)
         packed = rowgemm.packed_bytes(product_weights(rt.model, rt.head))
         spread = packing_spread(prof.products, plan)
+        data_packed = {"packed_bytes": packed, "packing_spread": {k: round(v, 3) for k, v in spread.items()}}
         if packed:
             worst = max(spread, key=spread.get) if spread else None
             out.print(f"packed weights: {packed / 1e6:.0f} MB beside the model's own, one packing per weight"
@@ -78,13 +79,7 @@ def tune(batch, json_path, common):
     data["verify_over_stream_floor"] = ({str(n): round(ms / prof.stream_floor_ms, 3) for n, ms in sorted(prof.verify_ms.items())}
                                         if prof.stream_floor_ms else None)
     if prof.products:
-        from eagle2_core import rowgemm
-        from eagle2_core.costs import product_weights
-
-        from eagle2_core.costs import packing_spread
-
-        data["packed_bytes"] = rowgemm.packed_bytes(product_weights(rt.model, rt.head))
-        data["packing_spread"] = {k: round(v, 3) for k, v in packing_spread(prof.products, prof.plan).items()}
+        data.update(data_packed)
     if batch:
         from eagle2_core.batched import plan, prior_expected
         from eagle2_core.costs import BATCH_TREES, load_or_measure_batch

@@ -19,7 +19,7 @@ def parse_tree_spec(name: str) -> tuple[int, int, int] | None:
     return tuple(int(g) for g in m.groups()) if m else None
 
 
-PLAIN = "plain"  # eagle2's own plain decoding: the engine with a one-node tree, same kernels, no draft
+from .stats import PLAIN  # eagle2's own plain decoding: the engine with a one-node tree, same kernels, no draft
 
 
 def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=None, batch_size: int | None = None,

@@ -24,6 +24,7 @@ Only the order of the additions changes, as it does between any one-row and mult
 """
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from contextlib import contextmanager
@@ -57,7 +58,13 @@ HAVE_PACKED = _probe_packed()
 
 def shape_key(weight: torch.Tensor) -> str:
     """The plan's key of a weight: "out x in dtype", e.g. "576x1536 float32"."""
-    return f"{weight.shape[0]}x{weight.shape[1]} {str(weight.dtype).replace('torch.', '')}"
+    return _key(weight.shape[0], weight.shape[1], weight.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _key(out_features: int, in_features: int, dtype: torch.dtype) -> str:
+    # cached: every product of every forward asks, and a handful of shapes exist
+    return f"{out_features}x{in_features} {str(dtype).replace('torch.', '')}"
 
 
 def bucket(rows: int) -> int:
