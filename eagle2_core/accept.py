@@ -74,6 +74,12 @@ def inverse_cdf(probs: torch.Tensor, u: float) -> int:
     return int(torch.searchsorted(c, torch.tensor([u * float(c[-1])], dtype=c.dtype), right=True).clamp(max=probs.shape[-1] - 1))
 
 
+def first_token(scores: torch.Tensor, seed: int) -> int:
+    """The answer's first token (output position 0) drawn from processed `scores` [V] by the
+    keyed rule: what every decoder's prefill samples, so a seeded answer starts alike everywhere."""
+    return inverse_cdf(torch.softmax(scores.float(), -1).cpu(), position_uniforms(seed, 0, 1)[0])
+
+
 def accept_sampling_keyed(tree: DraftTree, probs: torch.Tensor, uniforms: list[float]) -> tuple[list[int], int]:
     """Lossless sampling acceptance whose outcome does not depend on the tree: the one sampling rule.
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .accept import accept_sampling_keyed, generation_seed, inverse_cdf, position_uniforms
+from .accept import accept_sampling_keyed, first_token, generation_seed, position_uniforms
 from .kvcache import num_cache_layers
 from .rowgemm import row_linears
 from .target import TargetRunner, capture_layer_inputs, fuse
@@ -457,7 +457,7 @@ def pick_fn(slot: Slot):
             logits = slot.procs.scores(logits, torch.tensor([slot.prompt], dtype=torch.long, device=logits.device))
         if slot.procs is None or not slot.procs.sampling:
             return int(logits.argmax(-1)[0])
-        return inverse_cdf(torch.softmax(logits[0].float(), -1).cpu(), position_uniforms(slot.seed, 0, 1)[0])
+        return first_token(logits[0], slot.seed)
     return pick
 
 

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .accept import accept_greedy, accept_sampling_keyed, generation_seed, inverse_cdf, position_uniforms
+from .accept import accept_greedy, accept_sampling_keyed, first_token, generation_seed, position_uniforms
 from .budget import BudgetChooser, on_accepted_path
 from .drafter import Drafter
 from .events import GenerationSettings, StepEvent, StopChecker, Summary, collect
@@ -128,10 +128,10 @@ class Eagle2Decoder:
     @staticmethod
     def _pick(scores, seed: int | None) -> int:
         """The answer's first token: the argmax of the processed scores, or (seed given: sampling)
-        the draw of output position 0, as batched.pick_fn makes it."""
+        the draw of output position 0, as every decoder does (accept.first_token)."""
         if seed is None:
             return int(scores.argmax(-1)[0])
-        return inverse_cdf(torch.softmax(scores[0].float(), -1).cpu(), position_uniforms(seed, 0, 1)[0])
+        return first_token(scores[0], seed)
 
     def generate(self, prompt_ids, gen: GenerationSettings | None = None) -> tuple[list[int], Summary]:
         return collect(self.stream(prompt_ids, gen))
