@@ -62,6 +62,35 @@ def test_greedy_root_only_and_full_chain():
     assert accept_greedy(chain, torch.tensor([0, 2, 3, 7])) == ([0], 0)
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_greedy_batch_rows_are_independent(seed):
+    """accept_greedy_batch on B trees of one size (the engine's form): each row's path (padded with
+    the root to the fixed width), accepted count and bonus are that row's own one-tree answer; an
+    argmax of -1 (not computed: a leaf in the two-pass plan) ends a path there with bonus -1."""
+    from eagle2_core.accept import accept_greedy_batch
+
+    rng = random.Random(1000 + seed)
+    b, n, vocab = 4, rng.randint(1, 12), 4
+    trees = [random_tree(rng, n, vocab) for _ in range(b)]
+    argmax = []
+    for tree in trees:
+        p, toks = tree.parents.tolist(), tree.tokens.tolist()
+        kids = children_lists(p)
+        row = [toks[rng.choice(kids[i])] if kids[i] and rng.random() < 0.7 else rng.randrange(vocab) for i in range(n)]
+        argmax.append([-1 if not kids[i] and rng.random() < 0.5 else row[i] for i in range(n)])  # some leaves uncomputed
+    width = max(int(t.depth.max()) for t in trees) + 1
+    stack = lambda name: torch.stack([getattr(t, name) for t in trees])  # noqa: E731
+    path, accepted, bonus = accept_greedy_batch(stack("tokens"), stack("parents"), stack("depth"), stack("ancestors"),
+                                                torch.tensor(argmax), width)
+    assert path.shape == (b, width) and accepted.shape == (b,) and bonus.shape == (b,)
+    for r, tree in enumerate(trees):
+        one, one_bonus = accept_greedy(tree, torch.tensor(argmax[r]))
+        a = int(accepted[r])
+        assert path[r, : a + 1].tolist() == one and a == len(one) - 1
+        assert path[r, a + 1 :].tolist() == [0] * (width - a - 1)  # padded with the root
+        assert int(bonus[r]) == one_bonus == argmax[r][one[-1]]
+
+
 # -- sampling -----------------------------------------------------------------------------------
 # A hand-built tree over a 5-token vocabulary:
 #

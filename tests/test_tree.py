@@ -1,8 +1,8 @@
 """Draft-tree construction: the pure functions of `eagle2_core.tree`, checked against brute force.
 
-No model is involved except in the last section, where a random draft head (no target) checks
-that the `Drafter` builds the tree it claims: every node's children are the head's top-ranked
-tokens at that node, recomputed without any KV cache or tree mask.
+No model is involved except in the last section, where a random draft head (the target is not
+run) checks that `engine.Cycle.draft_fn` builds the tree it claims: every node's children are
+the head's top-ranked tokens at that node, recomputed without any KV cache or tree mask.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
-from eagle2_core.tree import (causal_attention_bias, chain_choices, choices_to_levels, rerank, select_expansion,
-                              static_choices, tree_attention_bias, tree_from_parents)
+from eagle2_core.tree import (batch_trees, causal_attention_bias, chain_choices, choices_to_levels, rerank, rerank_batch,
+                              static_choices, tree_from_parents)
 
 NEG = torch.finfo(torch.float32).min
 
@@ -146,14 +146,26 @@ def test_rerank_ties_keep_parents():
 
 
 @pytest.mark.parametrize("seed", range(10))
-def test_select_expansion_is_top_k(seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(int(torch.randint(1, 30, (1,), generator=g)), generator=g)
-    for k in (1, 3, 100):
-        idx = select_expansion(x, k)
-        assert idx.numel() == min(k, x.numel())
-        assert sorted(x[idx].tolist(), reverse=True) == sorted(x.tolist(), reverse=True)[: idx.numel()]
-        assert x[idx].tolist() == sorted(x[idx].tolist(), reverse=True)  # best first
+def test_batched_functions_match_one_tree_each(seed):
+    """batch_trees and rerank_batch on B rows (different pools, one budget) give, row by row,
+    what the one-tree wrappers give: rows never mix."""
+    rng = random.Random(100 + seed)
+    k, depth = rng.randint(1, 3), rng.randint(1, 3)
+    pools = [random_pool(rng, k, depth) for _ in range(3)]  # one shape (k, depth), different scores
+    n = pools[0][0].numel()
+    budget = rng.randint(0, n)
+    roots = torch.tensor([5, 6, 7])
+    toks = torch.stack([p[0] + 100 * r for r, p in enumerate(pools)])
+    t, par, d, a, sc = rerank_batch(toks, torch.stack([p[1] for p in pools]), torch.stack([p[2] for p in pools]), roots, budget, depth)
+    for r, pool in enumerate(pools):
+        one = rerank(toks[r], pool[1], pool[2], roots[r], budget, depth)
+        assert torch.equal(t[r], one.tokens) and torch.equal(par[r], one.parents) and torch.equal(d[r], one.depth)
+        assert torch.equal(a[r], one.ancestors) and torch.equal(sc[r], one.scores)
+    parents = torch.stack([random_parents(9, rng) for _ in range(4)])
+    depth_b, anc_b = batch_trees(parents, 8)
+    for r in range(4):
+        one = tree_from_parents(torch.zeros(9, dtype=torch.long), parents[r])
+        assert torch.equal(depth_b[r], one.depth) and torch.equal(anc_b[r], one.ancestors)
 
 
 # -- static trees and chains ----------------------------------------------------------------------
@@ -204,36 +216,102 @@ def test_chain_choices_and_orphans():
         choices_to_levels([(0,), (1, 0)])
 
 
-# -- attention masks ---------------------------------------------------------------------------
+# -- attention masks (batched: slot = position in every row of the cache) -------------------------
 
-@pytest.mark.parametrize("seed", range(25))
-def test_tree_attention_bias_brute_force(seed):
-    rng = random.Random(seed)
-    n, past = rng.randint(1, 16), rng.choice([0, 1, 3, 9])
-    window = rng.choice([None, 1, 2, 4, 7])
-    tree = tree_from_parents(torch.zeros(n, dtype=torch.long), random_parents(n, rng))
-    bias = tree_attention_bias(tree, past, torch.float32, window)
-    assert bias.shape == (1, 1, n, past + n) and bias.dtype == torch.float32
-    p = tree.parents.tolist()
+def brute_tree_mask(past: int, parents: list[int], view: int, window):
+    """[n, view] bool from first principles: node i (at slot past + i, position past + depth(i))
+    sees the context slots < past and its own ancestors in the tree (itself included), and with a
+    sliding window only keys less than `window` positions behind it; slots past the tree are junk."""
+    n = len(parents)
+    depth = [len(chain_of(parents, i)) - 1 for i in range(n)]
+    out = torch.zeros(n, view, dtype=torch.bool)
     for i in range(n):
-        q = past + len(chain_of(p, i)) - 1  # absolute position of node i
-        anc = set(chain_of(p, i))
-        for j in range(past + n):
-            k_pos = j if j < past else past + len(chain_of(p, j - past)) - 1
-            ok = (j < past) or (j - past in anc)
+        q = past + depth[i]
+        anc = set(chain_of(parents, i))
+        for j in range(view):
+            if j < past:
+                ok, k_pos = True, j
+            elif j - past < n:
+                ok, k_pos = (j - past) in anc, past + depth[j - past]
+            else:
+                ok, k_pos = False, j
             if window is not None:
                 ok = ok and k_pos > q - window
-            assert float(bias[0, 0, i, j]) == (0.0 if ok else NEG), (i, j, q, k_pos, window)
+            out[i, j] = ok
+    return out
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_context_and_tree_mask_brute_force(seed):
+    """The verify mask as engine.Cycle._forward builds it, for a batch of trees of one size
+    whose rows have different context lengths, against brute force per row."""
+    from eagle2_core.tree import additive, batch_trees, context_and_tree, windowed
+
+    rng = random.Random(seed)
+    b, n = rng.randint(1, 3), rng.randint(1, 12)
+    pasts = [rng.choice([0, 1, 3, 9]) for _ in range(b)]
+    window = rng.choice([None, 1, 2, 4, 7])
+    parents = torch.stack([random_parents(n, rng) for _ in range(b)])
+    depth, anc = batch_trees(parents, n)
+    past = torch.tensor(pasts)
+    view = max(pasts) + n + rng.randint(0, 3)  # slots past a row's tree are junk it must not see
+    q_pos = past[:, None] + depth
+    slots = past[:, None] + torch.arange(n)
+    k_pos = torch.arange(view).expand(b, view).scatter(1, slots, q_pos)
+    allowed = windowed(context_and_tree(past, anc, view), q_pos, k_pos, window)
+    assert allowed.shape == (b, n, view)
+    for r in range(b):
+        assert torch.equal(allowed[r], brute_tree_mask(pasts[r], parents[r].tolist(), view, window)), (r, pasts[r], window)
     # every row can see at least itself, so attention never sees an all-masked row
-    assert (bias[0, 0] == 0).any(dim=1).all()
+    assert allowed.any(dim=2).all()
+    bias = additive(allowed, torch.float32)
+    assert bias.shape == (b, 1, n, view)
+    assert torch.equal(bias[:, 0] == 0, allowed) and (bias[:, 0][~allowed] == NEG).all()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_context_and_tree_partial_visibility(seed):
+    """The draft head's form: n queries (one depth) over m tree rows fed so far, any visibility."""
+    from eagle2_core.tree import context_and_tree
+
+    g = torch.Generator().manual_seed(seed)
+    b, n, m = 2, 3, 7
+    past = torch.tensor([2, 5])
+    visible = torch.rand(b, n, m, generator=g) < 0.5
+    view = 14
+    allowed = context_and_tree(past, visible, view)
+    for r in range(b):
+        for i in range(n):
+            for j in range(view):
+                p = int(past[r])
+                want = j < p or (p <= j < p + m and bool(visible[r, i, j - p]))
+                assert bool(allowed[r, i, j]) == want
 
 
 @pytest.mark.parametrize("window", [None, 1, 3])
 def test_chain_tree_mask_is_causal_mask(window):
+    from eagle2_core.tree import batch_trees, causal_rows, context_and_tree, windowed
+
     for n, past in [(1, 0), (5, 0), (4, 6), (7, 2)]:
-        chain = tree_from_parents(torch.zeros(n, dtype=torch.long), torch.arange(-1, n - 1))
-        assert torch.equal(tree_attention_bias(chain, past, torch.float32, window),
-                           causal_attention_bias(n, past, torch.float32, "cpu", window))
+        parents = torch.arange(-1, n - 1)[None]
+        depth, anc = batch_trees(parents, n)
+        view = past + n + 2
+        q_pos = past + depth
+        k_pos = torch.arange(view)[None]
+        tree = windowed(context_and_tree(torch.tensor([past]), anc, view), q_pos, k_pos, window)
+        causal = windowed(causal_rows(q_pos, view), q_pos, k_pos, window)
+        assert torch.equal(tree, causal)
+
+
+def test_causal_rows_brute_force():
+    from eagle2_core.tree import causal_rows
+
+    pos = torch.tensor([[0, 1, 2], [4, 5, 6]])
+    m = causal_rows(pos, 9)
+    assert m.shape == (2, 3, 9)
+    for r in range(2):
+        for i in range(3):
+            assert m[r, i].tolist() == [j <= int(pos[r, i]) for j in range(9)]
 
 
 def test_causal_attention_bias_brute_force():
@@ -246,7 +324,7 @@ def test_causal_attention_bias_brute_force():
                 assert float(b[0, 0, i, j]) == (0.0 if ok else float(torch.finfo(torch.bfloat16).min))
 
 
-# -- the drafter builds the tree it claims ------------------------------------------------------
+# -- the engine's drafting builds the tree it claims ---------------------------------------------
 
 @pytest.fixture(scope="module")
 def random_head(tiny_lm):
@@ -259,7 +337,7 @@ def random_head(tiny_lm):
         for name, w in head.named_parameters():
             if name.endswith("proj.weight") or name.startswith("fc."):
                 w.mul_(3.0)
-    return head
+    return model, head
 
 
 @torch.no_grad()
@@ -282,94 +360,112 @@ def brute_logp(head, ctx_tokens, ctx_feats, path_tokens):
 
 
 @pytest.mark.parametrize("shape", ["dynamic", "static", "chain"])
-def test_drafter_children_are_head_top_ranks(random_head, shape, monkeypatch):
-    """Children of every node are the head's top-ranked tokens there (dynamic: a prefix of the
-    ranking; static/chain: the ranks the shape names), and for dynamic trees every candidate's
-    path score handed to rerank equals the brute-force sum of log-probs along its path."""
-    import eagle2_core.drafter as drafter_mod
-    from eagle2_core.drafter import Drafter
+def test_draft_children_are_head_top_ranks(random_head, shape, monkeypatch):
+    """engine.Cycle.draft_fn on two rows with different contexts, over three cycles: children of
+    every node are the head's top-ranked tokens there (dynamic: a prefix of the ranking;
+    static/chain: the ranks the shape names), recomputed without any KV cache or tree mask; for
+    dynamic trees every candidate's path score handed to rerank equals the brute-force sum of
+    log-probs along its path; the head's context grows by the absorbed pairs only (tree rows and
+    the absorb's padding rows are not context), and an idle row's context stays where it is."""
+    import eagle2_core.engine as engine
+    from eagle2_core.target import TargetRunner
+    from eagle2_core.tree import row_tree
     from eagle2_core.treesettings import TreeSettings
 
     pools = []
 
     def spy_rerank(pool_tokens, pool_parents, pool_scores, *args, **kw):
         pools.append((pool_tokens.tolist(), pool_parents.tolist(), pool_scores.tolist()))
-        return rerank(pool_tokens, pool_parents, pool_scores, *args, **kw)
+        return rerank_batch(pool_tokens, pool_parents, pool_scores, *args, **kw)
 
-    monkeypatch.setattr(drafter_mod, "rerank", spy_rerank)
-    head = random_head
+    monkeypatch.setattr(engine, "rerank_batch", spy_rerank)
+    model, head = random_head
     settings = TreeSettings(shape=shape, total_tokens=10 if shape != "chain" else 4, depth=3, top_k=3)
-    drafter = Drafter(head, settings, capacity=4)  # tiny capacity: the head cache must grow
+    cycle = engine.Cycle(TargetRunner(model), head, settings, batch=2, capacity=8)
+    w = cycle.width
+    assert w == settings.depth + 1
     g = torch.Generator().manual_seed(0)
     hidden = head.spec.hidden_size
-    ctx_t, ctx_f = [], []
-    for cycle, n_new in enumerate([5, 2, 1]):  # absorb context over three cycles, as decoding does
-        new_t = torch.randint(0, 16, (n_new,), generator=g)
-        new_f = torch.randn(n_new, hidden, generator=g)
-        root = new_t[-1]
-        tree = drafter.draft(new_t, new_f, len(ctx_t), root)
-        ctx_t += new_t.tolist()
-        ctx_f += list(new_f)
-        assert drafter.cache.length == len(ctx_t)  # tree tokens dropped from the head cache
-        assert tree.tokens[0] == root and tree.size <= settings.total_tokens
-        assert int(tree.depth.max()) <= settings.depth
-        if shape == "dynamic":
-            assert tree.size == settings.total_tokens
-        if shape == "chain":
-            assert tree.parents.tolist() == [-1, 0, 1, 2]
-        p, toks = tree.parents.tolist(), tree.tokens.tolist()
-        kids = [[c for c in range(1, tree.size) if p[c] == i] for i in range(tree.size)]
-        for i in range(tree.size):
-            if not kids[i]:
+    ctx_t, ctx_f = [[], []], [[], []]
+    head_len = torch.zeros(2, dtype=torch.long)
+    # pairs absorbed per cycle and row (at most the absorb width), as decoding does; the last
+    # cycle leaves row 1 idle
+    plan = [([4, 1], [True, True]), ([2, 3], [True, True]), ([1, 4], [True, False])]
+    for cycle_i, (n_new, active) in enumerate(plan):
+        # the absorb's fixed width: rows past a row's n_new are padding (junk here) that must not matter
+        new_t = torch.randint(0, 16, (2, w), generator=g)
+        new_f = torch.randn(2, w, hidden, generator=g)
+        n_new_t, active_t = torch.tensor(n_new), torch.tensor(active)
+        root = new_t[torch.arange(2), n_new_t - 1]
+        cycle.host_len = [int(head_len[r]) + n_new[r] for r in range(2)]  # the target's lengths (the live view)
+        tokens, parents, depth, anc, scores, new_len = cycle.draft_fn(new_t, new_f, head_len.clone(), n_new_t, root, active_t)
+        for r in range(2):
+            if active[r]:
+                ctx_t[r] += new_t[r, : n_new[r]].tolist()
+                ctx_f[r] += list(new_f[r, : n_new[r]])
+        assert new_len.tolist() == [len(ctx_t[r]) if active[r] else int(head_len[r]) for r in range(2)]
+        head_len = new_len
+        for r in range(2):
+            if not active[r]:
                 continue
-            path = [toks[j] for j in reversed(chain_of(p, i)[:-1])]
-            ranked = torch.topk(brute_logp(head, ctx_t, ctx_f, path), 16).indices.tolist()
-            got = [toks[c] for c in kids[i]]
+            tree = row_tree(tokens, parents, depth, anc, scores, r)
+            assert tree.tokens[0] == root[r] and tree.size <= settings.total_tokens
+            assert int(tree.depth.max()) <= settings.depth
             if shape == "dynamic":
-                assert got == ranked[: len(got)], (cycle, i, got, ranked)  # a prefix of the ranking
+                assert tree.size == settings.total_tokens
+            if shape == "chain":
+                assert tree.parents.tolist() == [-1, 0, 1, 2]
+            p, toks = tree.parents.tolist(), tree.tokens.tolist()
+            assert tree.depth.tolist() == [len(chain_of(p, i)) - 1 for i in range(tree.size)]
+            kids = [[c for c in range(1, tree.size) if p[c] == i] for i in range(tree.size)]
+            for i in range(tree.size):
+                if not kids[i]:
+                    continue
+                path = [toks[j] for j in reversed(chain_of(p, i)[:-1])]
+                ranked = torch.topk(brute_logp(head, ctx_t[r], ctx_f[r], path), 16).indices.tolist()
+                got = [toks[c] for c in kids[i]]
+                if shape == "dynamic":
+                    assert got == ranked[: len(got)], (cycle_i, r, i, got, ranked)  # a prefix of the ranking
+                else:
+                    # static/chain nodes follow the choices list in order; a child's rank is its path's last entry
+                    choices = static_choices(10, 3, 3) if shape == "static" else chain_choices(3)
+                    assert got == [ranked[choices[c - 1][-1]] for c in kids[i]], (cycle_i, r, i)
+            if shape == "dynamic":
+                ptoks, ppar, pscores = (x[r] for x in pools[-1])
+                assert len(ptoks) == 3 + 9 + 9  # k first-level candidates, then k x k per expanded level
+                memo = {}
+                for j in range(len(ptoks)):
+                    chain = [j]
+                    while ppar[chain[-1]] >= 0:
+                        chain.append(ppar[chain[-1]])
+                    path_toks = [ptoks[c] for c in reversed(chain)]
+                    brute = 0.0
+                    for d in range(len(path_toks)):
+                        key = tuple(path_toks[:d])
+                        if key not in memo:
+                            memo[key] = brute_logp(head, ctx_t[r], ctx_f[r], list(key))
+                        brute += float(memo[key][path_toks[d]])
+                    assert pscores[j] == pytest.approx(brute, rel=1e-4, abs=1e-3), (cycle_i, r, j, path_toks)
+                # the tree keeps the pool's best path scores (rerank), and reports them
+                kept = sorted(tree.scores[1:].tolist(), reverse=True)
+                assert kept == pytest.approx(sorted(pscores, reverse=True)[: tree.size - 1], rel=1e-6)
             else:
-                # static/chain nodes follow the choices list in order; a child's rank is its path's last entry
                 choices = static_choices(10, 3, 3) if shape == "static" else chain_choices(3)
-                assert got == [ranked[choices[c - 1][-1]] for c in kids[i]], (cycle, i)
-        if shape == "dynamic":
-            ptoks, ppar, pscores = pools[-1]
-            assert len(ptoks) == 3 + 9 + 9  # k first-level candidates, then k x k per expanded level
-            memo = {}
-            for j in range(len(ptoks)):
-                chain = [j]
-                while ppar[chain[-1]] >= 0:
-                    chain.append(ppar[chain[-1]])
-                path_toks = [ptoks[c] for c in reversed(chain)]
-                brute = 0.0
-                for d in range(len(path_toks)):
-                    key = tuple(path_toks[:d])
-                    if key not in memo:
-                        memo[key] = brute_logp(head, ctx_t, ctx_f, list(key))
-                    brute += float(memo[key][path_toks[d]])
-                assert pscores[j] == pytest.approx(brute, rel=1e-4, abs=1e-3), (cycle, j, path_toks)
-        else:
-            choices = static_choices(10, 3, 3) if shape == "static" else chain_choices(3)
-            assert tree.size == len(choices) + 1
-            assert p == [-1] + [0 if len(c) == 1 else choices.index(c[:-1]) + 1 for c in choices]
+                assert tree.size == len(choices) + 1
+                assert p == [-1] + [0 if len(c) == 1 else choices.index(c[:-1]) + 1 for c in choices]
 
 
 def test_calibration_table_from_recorded_cycles():
-    """A hand-made example: two cycles of a 4-node dynamic tree with known path probabilities."""
-    import math
-
+    """A hand-made example: two cycles of a 4-node dynamic tree (3 drafted nodes) with known path
+    probabilities and known acceptance."""
     from eagle2_core.events import Summary
-    from eagle2_core.tree import tree_from_parents
-
-    def tree(probs):
-        t = tree_from_parents(torch.tensor([0, 1, 2, 3]), torch.tensor([-1, 0, 1, 0]))
-        t.scores = torch.tensor([0.0] + [math.log(p) for p in probs])
-        return t
 
     s = Summary()
     # cycle 1: nodes 0.95 (accepted), 0.55 (accepted, child of the first), 0.05 (a rejected sibling)
-    s.record_confidence(tree([0.95, 0.55, 0.05]), torch.tensor([0, 1, 2]))
+    s.record_confidence(torch.tensor([0.95, 0.55, 0.05]), torch.tensor([1.0, 1.0, 0.0]))
     # cycle 2: nodes 0.92 (rejected), 0.52 (rejected), 0.08 (accepted)
-    s.record_confidence(tree([0.92, 0.52, 0.08]), torch.tensor([0, 3]))
+    s.record_confidence(torch.tensor([0.92, 0.52, 0.08]), torch.tensor([0.0, 0.0, 1.0]))
+    s.record_confidence(torch.zeros(0), torch.zeros(0))  # a one-node tree: nothing drafted
     other = Summary()
     other.merge(s)  # merging carries the bins
     table = {tuple(b["bin"]): b for b in other.calibration_table}
