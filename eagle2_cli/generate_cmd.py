@@ -73,7 +73,7 @@ def generate(input_path, output_path, restart, no_progress, batch_size, common):
     if skipped:
         err.print(f"resuming {output_path}: {skipped} already done, {len(pending)} to go")
     tree_tokens = common.total_tokens
-    if tree_tokens == 1:  # plain decoding: batched.py's cycle with a tree of one node
+    if tree_tokens == 1:  # plain decoding: the engine's cycle with a tree of one node
         common.total_tokens = None
     rt = common.load(err) if todo else None
     batched, plan = (None, {})
@@ -81,9 +81,7 @@ def generate(input_path, output_path, restart, no_progress, batch_size, common):
         batched, plan = rt.batch_decoder(todo, None if batch_size == "auto" else batch_size, tree_tokens,
                                          depth=common.depth, top_k=common.tree_top_k)
         if batched is not None:
-            what = "plain decoding" if batched.tree_tokens == 1 else (
-                f"trees of up to {batched.tree_tokens} nodes (chosen per cycle)" if batched.planner else f"trees of {batched.tree_tokens} nodes")
-            err.print(f"batch of {batched.batch}, {what}", highlight=False)
+            err.print(f"batch of {batched.batch}, {batched.label()}", highlight=False)
     decoder = rt.eagle() if rt is not None and batched is None else None
     progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[rate]}"),

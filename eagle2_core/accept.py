@@ -15,50 +15,33 @@ import torch
 from .tree import DraftTree
 
 
-def _deepest_match(tree: DraftTree, target_argmax: torch.Tensor) -> torch.Tensor:
-    """Index of the deepest node whose whole path matches the target's argmax (0-d tensor).
+def accept_greedy_batch(tokens, parents, depth, anc, argmax, width: int):
+    """Temperature 0, per row: the longest path on which every token equals the target's argmax.
 
-    A node matches when its token is the argmax at its parent; a path survives when all its
-    nodes match. Siblings carry distinct tokens, so at most one node per depth survives and
-    the deepest surviving node identifies the path.
-    """
-    # the root (parent -1) was chosen by the target itself; tensor ops only, no setitem from Python
-    match = (tree.tokens == target_argmax[tree.parents.clamp(min=0)]) | (tree.parents < 0)
-    survives = ~(tree.ancestors & ~match[None, :]).any(dim=1)
-    return torch.argmax(torch.where(survives, tree.depth, -1))
+    A node matches when its token is its parent's argmax (the root, chosen by the target itself,
+    always does); a path survives when all its nodes match. Siblings carry distinct tokens, so at
+    most one node per depth survives and the deepest survivor names the path. Fixed shapes, no
+    host read (capturable). Returns (path [B, width]: node index at each depth, root first,
+    padded with the root; accepted [B]: draft tokens on the path; bonus [B]: the target's token
+    after it, -1 where the path ends at a node whose argmax was not computed)."""
+    match = (tokens == argmax.gather(1, parents.clamp(min=0))) | (parents < 0)
+    survives = ~(anc & ~match[:, None, :]).any(dim=2)
+    best = torch.argmax(torch.where(survives, depth, -1), dim=1)
+    b, n = tokens.shape
+    rows = torch.arange(b, device=tokens.device)
+    on_path = anc[rows, best]
+    slot = torch.where(on_path, depth, width)  # off-path nodes go to a spare column
+    path = torch.zeros(b, width + 1, dtype=torch.long, device=tokens.device)
+    path.scatter_(1, slot, torch.arange(n, device=tokens.device).expand(b, n) * on_path)
+    return path[:, :width], depth[rows, best], argmax[rows, best]
 
 
 def accept_greedy(tree: DraftTree, target_argmax: torch.Tensor) -> tuple[list[int], int]:
-    """Temperature 0: the longest path on which every token equals the target's argmax.
-
-    Vectorised over nodes; one host sync.
-    """
-    best = _deepest_match(tree, target_argmax)
-    path = torch.nonzero(tree.ancestors[best]).flatten()  # ascending index = root-to-leaf order
-    bonus = target_argmax[best]
-    values = torch.cat([path, bonus.view(1)]).tolist()  # the one host sync of a greedy cycle
-    return values[:-1], values[-1]
-
-
-def accept_greedy_graph(tree: DraftTree, target_argmax: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`accept_greedy` in graph mode: fixed shapes and no host read (the GPU path).
-
-    Returns `path` [width] (node index at each depth of the accepted path, root first; entries
-    past the path repeat the root and are never used), `accepted` (0-d: draft tokens accepted)
-    and `bonus` (0-d). width = the tree's depth + 1.
-    """
-    best = _deepest_match(tree, target_argmax).view(1)  # index_select, not t[best]: no host read of `best`
-    on_path = tree.ancestors.index_select(0, best)[0]
-    # Scatter each path node to the slot of its depth; off-path nodes go to a spare slot.
-    slot = torch.where(on_path, tree.depth, width)
-    path = torch.zeros(width + 1, dtype=torch.long, device=tree.tokens.device)
-    path.scatter_(0, slot, torch.arange(tree.size, device=tree.tokens.device) * on_path)
-    return path[:width], tree.depth.index_select(0, best)[0], target_argmax.index_select(0, best)[0]
-
-
-def path_tensor(path: list[int], width: int, device) -> torch.Tensor:
-    """A host-side accepted path as `accept_greedy_graph` returns it (padded with the root)."""
-    return torch.tensor(path + [0] * (width - len(path)), dtype=torch.long, device=device)
+    """`accept_greedy_batch` for one tree: (accepted node indices root first, bonus token)."""
+    width = int(tree.depth.max()) + 1
+    path, accepted, bonus = accept_greedy_batch(tree.tokens[None], tree.parents[None], tree.depth[None], tree.ancestors[None],
+                                                target_argmax[None], width)
+    return path[0, : int(accepted[0]) + 1].tolist(), int(bonus[0])
 
 
 def children_lists(parents: list[int]) -> list[list[int]]:

@@ -239,14 +239,14 @@ def run_item(runtime, decoder, item: PromptItem, gen: GenerationSettings, on_tok
 
 def run_batched(runtime, pending: list, writer: "OutputWriter", gen: GenerationSettings, decoder, on_fail=None,
                 on_done=None) -> tuple[int, int]:
-    """`run_pending` with continuous batching (batched.BatchDecoder): every prompt of the file is
+    """`run_pending` with continuous batching (engine.Engine with B rows): every prompt of the file is
     queued, a free slot takes the next one, and a record is written as soon as its item's last
     turn is answered, so records come in the order items finish. A conversation's next turn is
     queued first (it needs the previous answer, and its item's record waits for it).
     Returns (ok, failed)."""
     from collections import deque
 
-    from .batched import Request
+    from .engine import Request
 
     counts = {"ok": 0, "failed": 0}
     state: dict[int, dict] = {}
@@ -283,7 +283,7 @@ def run_batched(runtime, pending: list, writer: "OutputWriter", gen: GenerationS
             submit(key, front=True)
             return
         del state[key]
-        rec = item_record(item, st["texts"], st["reasons"], st["total"], decoder.depth)
+        rec = item_record(item, st["texts"], st["reasons"], st["total"], decoder.tree.depth)
         writer.write(rec)
         counts["ok"] += 1
         if on_done:

@@ -48,12 +48,6 @@ def bin_counts(path_probs: torch.Tensor, on_path: torch.Tensor, bins: int) -> to
                         torch.bincount(b, weights=path_probs, minlength=bins)])
 
 
-def on_accepted_path(tree, path: torch.Tensor) -> torch.Tensor:
-    """[tree.size - 1] 1.0 for the drafted nodes (root excluded) on the accepted `path` (node indices)."""
-    on = torch.zeros(tree.size, dtype=torch.float, device=tree.tokens.device)
-    return on.index_fill_(0, path, 1.0)[1:]
-
-
 def calibration_gap(counts: torch.Tensor) -> float:
     """Expected calibration error: the node-weighted mean |confidence - acceptance| over bins.
     The paper's claim (section 3, figure 4) is that this is small for an EAGLE head."""
@@ -86,61 +80,102 @@ def calibrate(path_probs: torch.Tensor, counts: torch.Tensor, prior_nodes: float
     return (path_probs * ratio[b]).clamp(max=1.0)
 
 
-class BudgetChooser:
-    """The per-cycle budget of one decoder: measured costs and calibration, refined by its cycles.
+def mean_row(probs: torch.Tensor) -> torch.Tensor:
+    """[rows, m] path probabilities -> [m]: each row sorted highest first, then averaged over rows.
+    One tree size serves every row of a batch, so its expected tokens per row are the mean of the
+    rows' own prefixes (at batch 1, the row itself)."""
+    return torch.sort(probs, dim=-1, descending=True).values.mean(0)
 
-    The cost profile (costs.py) is measured once per machine at a short context; real cycles
-    run at longer contexts and add acceptance and cache work, so every timed cycle refines the
-    table: a size's cost is its observed mean, shrunk toward the profile (scaled by how far the
-    observed cycles ran from it) with `prior_cycles` pseudo-cycles. Likewise the head's measured
-    calibration corrects its confidence (`calibrate`). Both only change which drafted nodes are
-    verified, so the output stays the target's. The state lives as long as the decoder, so a
-    chat's later turns choose from what its earlier ones measured.
+
+class BudgetChooser:
+    """The per-cycle budget of one engine: measured costs and calibration, refined by its cycles.
+
+    Costs are keyed by (B, N): the verify of N tree rows for each of B sequences, and the draft of
+    B trees. The cost profile (costs.py) is measured once per machine at a short context; real
+    cycles run at longer contexts and add acceptance and cache work, so every timed cycle refines
+    the table of its batch size: a size's cost is its observed mean, shrunk toward the profile
+    (scaled by how far the observed cycles ran from it) with `prior_cycles` pseudo-cycles. The
+    head's measured calibration corrects its confidence per bin (`calibrate`). Plain decoding is
+    one of the choices: when drafting has not paid over a run's cycles, the engine stops drafting
+    (`drafting_pays`). All this only changes which drafted nodes are verified, so the output stays
+    the target's. The state lives as long as the engine, so a chat's later turns choose from what
+    its earlier ones measured.
     """
 
-    def __init__(self, profile, max_tokens: int, step_ms: float, bins: int = 10, prior_cycles: float = 4.0, prior_nodes: float = 50.0):
-        self.prior = profile.verify_table(max_tokens)            # [max_tokens] ms by rows, float64, CPU
-        self.obs_sum = torch.zeros(max_tokens, dtype=torch.float64)
-        self.obs_n = torch.zeros(max_tokens, dtype=torch.float64)
-        # Drafting costs a per-cycle overhead (top-k, pool bookkeeping, rerank, these choices)
-        # plus one head step per level (the absorb of the new pairs, then one per depth). Only the
-        # step is marginal: charging the whole cycle per step would make every level look as dear
-        # as a whole draft and keep trees at depth 1 (measured: issue 23). Both are fitted to the
-        # timed cycles (`draft_cost`), the step starting from the profile's measured head step.
+    def __init__(self, profile, max_tokens: int, step_ms: float, bins: int = 10, prior_cycles: float = 4.0, prior_nodes: float = 50.0,
+                 batch_costs=None, step_at=None, patience: int = 8):
+        self.profile, self.max_tokens, self.batch_costs = profile, max_tokens, batch_costs
         self.step_prior = float(step_ms)
-        self.draft_n, self.draft_sums = 0, [0.0, 0.0, 0.0, 0.0]  # cycles; sums of steps, ms, steps^2, steps * ms
+        self.step_at = step_at    # b -> ms of one draft step over b trees' front (None: the step at b = 1, times b)
+        self.batch = 1
+        self._by_batch: dict[int, dict] = {}
         self.counts = torch.zeros(3, bins, dtype=torch.float64)  # nodes, accepted, confidence sum (bin_counts)
         # The best child's own confidence (given its parent), averaged over expansions: how much
         # of a front node's path probability a deeper level is expected to keep.
         self.keep_sum, self.keep_n = 0.0, 0
         self.prior_cycles, self.prior_nodes = prior_cycles, prior_nodes
         self.learn_costs = True  # False: keep the profile's costs (tests that need a known cost table)
-        self._table = None       # verify_table(), kept until the next observed cycle
-        self._fit = None         # draft_fit(), likewise
+        self.patience = patience
+        self.start_run(1)
+
+    def start_run(self, batch: int) -> None:
+        self.batch = batch
+        self.run_cycles, self.run_tokens, self.run_ms = 0, 0.0, 0.0
+
+    # -- costs by batch size ------------------------------------------------------------------
+    def _state(self) -> dict:
+        b = self.batch
+        if b not in self._by_batch:
+            self._by_batch[b] = {"prior": self._prior(b), "sum": torch.zeros(self.max_tokens, dtype=torch.float64),
+                                 "n": torch.zeros(self.max_tokens, dtype=torch.float64), "draft_n": 0, "draft": [0.0] * 4,
+                                 "table": None, "fit": None}
+        return self._by_batch[b]
+
+    def _prior(self, b: int) -> torch.Tensor:
+        """ms of verifying 1 .. max_tokens nodes per row at batch b: the batch grid where measured,
+        else the profile at b x N rows."""
+        bc = self.batch_costs
+        if b > 1 and bc is not None and b in bc.batches:
+            return torch.tensor([bc.verify(b, n) for n in range(1, self.max_tokens + 1)], dtype=torch.float64)
+        return self.profile.verify_table(b * self.max_tokens)[b - 1 :: b][: self.max_tokens].double()
+
+    @property
+    def prior(self) -> torch.Tensor:
+        return self._state()["prior"]
+
+    @property
+    def obs_sum(self) -> torch.Tensor:
+        return self._state()["sum"]
+
+    @property
+    def obs_n(self) -> torch.Tensor:
+        return self._state()["n"]
 
     def verify_table(self) -> torch.Tensor:
-        if self._table is None:
-            self._table = self._blend()
-        return self._table
-
-    def _blend(self) -> torch.Tensor:
-        seen = self.obs_n > 0
-        scale = float(self.obs_sum.sum() / (self.prior * self.obs_n).sum()) if seen.any() else 1.0
-        w = self.prior_cycles
-        return (w * scale * self.prior + self.obs_sum) / (w + self.obs_n)
+        st = self._state()
+        if st["table"] is None:
+            seen = st["n"] > 0
+            scale = float(st["sum"].sum() / (st["prior"] * st["n"]).sum()) if seen.any() else 1.0
+            w = self.prior_cycles
+            st["table"] = (w * scale * st["prior"] + st["sum"]) / (w + st["n"])
+        return st["table"]
 
     def draft_fit(self) -> tuple[float, float]:
-        """(overhead ms per cycle, ms per head step) fitted to the timed cycles: ridge regression of
-        draft ms on steps, the slope shrunk toward the profile's head step with `prior_cycles`
-        pseudo-cycles of unit step variance (so with cycles of one depth only, the step stays the
-        profile's) and the overhead toward 0 with as many pseudo-cycles."""
-        if self._fit is None:
-            w, n = self.prior_cycles, self.draft_n
-            s, y, ss, sy = self.draft_sums
+        """(overhead ms per cycle, ms per head step) fitted to this batch size's timed cycles: ridge
+        regression of draft ms on steps, the slope shrunk toward the profile's head step with
+        `prior_cycles` pseudo-cycles of unit step variance (so with cycles of one depth only, the
+        step stays the profile's) and the overhead toward 0 with as many pseudo-cycles. Only the
+        step is marginal: charging the whole draft per step would make every level look as dear
+        as a whole draft and keep trees at depth 1 (measured: issue 23)."""
+        st = self._state()
+        if st["fit"] is None:
+            w, n = self.prior_cycles, st["draft_n"]
+            s, y, ss, sy = st["draft"]
             sxx, sxy = (ss - s * s / n, sy - s * y / n) if n else (0.0, 0.0)  # centred sums
-            step = max(0.0, (w * self.step_prior + sxy) / (w + sxx))
-            self._fit = (max(0.0, (y - step * s) / (w + n)), step)
-        return self._fit
+            prior = self.step_at(self.batch) if self.step_at is not None else self.step_prior * self.batch
+            step = max(0.0, (w * prior + sxy) / (w + sxx))
+            st["fit"] = (max(0.0, (y - step * s) / (w + n)), step)
+        return st["fit"]
 
     def step_cost(self) -> float:
         """ms of one more draft step (the fitted slope)."""
@@ -151,16 +186,22 @@ class BudgetChooser:
         overhead, step = self.draft_fit()
         return overhead + steps * step
 
+    # -- choices --------------------------------------------------------------------------------
+    def _cal(self, probs: torch.Tensor) -> torch.Tensor:
+        return calibrate(probs.double().cpu(), self.counts, self.prior_nodes)
+
     def _rate(self, p: torch.Tensor, steps: int) -> float:
-        """Best expected tokens per ms over prefixes of `p` (calibrated, highest first)."""
-        p = p[: self.prior.numel() - 1]
+        """Best expected tokens per row per ms over prefixes of `p` (one row's calibrated path
+        probabilities, highest first)."""
+        p = p[: self.max_tokens - 1]
         gain = expected_tokens(p)
         return float((gain / (self.verify_table()[: p.numel() + 1] + self.draft_cost(steps))).max())
 
-    def choose(self, path_probs_desc: torch.Tensor, steps: int) -> int:
-        """Tree size (root included) for this cycle's reranked path probabilities, `steps` draft steps spent."""
-        p = calibrate(path_probs_desc.double().cpu(), self.counts, self.prior_nodes)
-        return choose_budget(p[: self.prior.numel() - 1], self.verify_table(), self.draft_cost(steps))
+    def choose(self, path_probs: torch.Tensor, steps: int) -> int:
+        """Tree size (root included) for this cycle: `path_probs` [rows, m] (or [m]) are each busy
+        row's best path probabilities, `steps` draft steps spent."""
+        p = mean_row(self._cal(torch.atleast_2d(path_probs)))
+        return choose_budget(p[: self.max_tokens - 1], self.verify_table(), self.draft_cost(steps))
 
     def worth_expanding(self, pool_logp: torch.Tensor, front_logp: torch.Tensor, steps: int, remaining: int) -> bool:
         """Whether drafting deeper is expected to pay (depth chosen per cycle, like the size).
@@ -170,40 +211,53 @@ class BudgetChooser:
         probability keeps the measured share of its parent's; it pays if some l beats now. So
         a cycle whose first guesses are weak stops after the absorb step and verifies a small
         tree, where a preset depth would pay for every level (on a CPU where one extra row costs
-        nearly a whole forward, often just the root).
+        nearly a whole forward, often just the root). [rows, m] inputs: per row, then averaged.
         """
-        cal = lambda lp: calibrate(lp.double().exp().cpu(), self.counts, self.prior_nodes)  # noqa: E731
-        pool = cal(pool_logp)
-        now = self._rate(torch.sort(pool, descending=True).values, steps)
+        pool = self._cal(torch.atleast_2d(pool_logp).exp())
+        front = self._cal(torch.atleast_2d(front_logp).exp())
+        now = self._rate(mean_row(pool), steps)
         keep = (self.keep_sum + 0.5 * self.prior_cycles) / (self.keep_n + self.prior_cycles)  # a half before any evidence
-        front = cal(front_logp)
         extra = []
         for level in range(1, remaining + 1):
             extra.append(front * keep ** level)
-            p = torch.sort(torch.cat([pool, *extra]), descending=True).values
-            if self._rate(p, steps + level) > now:
+            if self._rate(mean_row(torch.cat([pool, *extra], -1)), steps + level) > now:
                 return True
         return False
 
+    @property
+    def drafting_pays(self) -> bool:
+        """Plain decoding (N = 1, no draft) is one of the choices: after `patience` cycles of a run,
+        drafting must have produced more tokens per ms than verifying the root alone would."""
+        if self.run_cycles < self.patience:
+            return True
+        return self.run_tokens / self.run_ms >= self.batch / float(self.verify_table()[0])
+
+    # -- evidence -------------------------------------------------------------------------------
     def note_children(self, child_logp: torch.Tensor) -> None:
         """One expansion: [front, k] children's log-probabilities given their parents."""
         self.keep_sum += float(child_logp.max(-1).values.exp().sum())
         self.keep_n += child_logp.shape[0]
 
-    def observe(self, path_probs: torch.Tensor, on_path: torch.Tensor, draft_ms: float, verify_ms: float, steps: int = 1) -> None:
-        """One verified cycle: its drafted nodes' path probabilities, which were accepted, its
-        times, and how many draft steps it took."""
-        n = path_probs.numel() + 1
+    def observe(self, path_probs: torch.Tensor, on_path: torch.Tensor, draft_ms: float, verify_ms: float, steps: int = 1,
+                tokens: float | None = None) -> None:
+        """One verified cycle: its drafted nodes' path probabilities ([rows, N - 1] or [N - 1]),
+        which were accepted, its times, its draft steps, and the tokens it produced."""
+        path_probs, on_path = torch.atleast_2d(path_probs), torch.atleast_2d(on_path)  # [rows, N - 1]
+        n = path_probs.shape[-1] + 1
+        st = self._state()
         if self.learn_costs:
-            if n <= self.obs_n.numel():
-                self.obs_sum[n - 1] += verify_ms
-                self.obs_n[n - 1] += 1
-            self.draft_n += 1
+            if n <= st["n"].numel():
+                st["sum"][n - 1] += verify_ms
+                st["n"][n - 1] += 1
+            st["draft_n"] += 1
             for i, v in enumerate((steps, draft_ms, steps * steps, steps * draft_ms)):
-                self.draft_sums[i] += v
-            self._table = self._fit = None
+                st["draft"][i] += v
+            st["table"] = st["fit"] = None
+        self.run_cycles += 1
+        self.run_tokens += float(tokens) if tokens is not None else float(on_path.sum()) + path_probs.shape[0]
+        self.run_ms += draft_ms + verify_ms
         if path_probs.numel():
-            self.counts += bin_counts(path_probs.double().cpu(), on_path.cpu(), self.counts.shape[1])
+            self.counts += bin_counts(path_probs.double().cpu().flatten(), on_path.cpu().flatten(), self.counts.shape[1])
 
     @property
     def gap(self) -> float:

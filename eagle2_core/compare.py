@@ -100,7 +100,7 @@ def explain_differences(comp: Comparison, encoded: list[list[int]], model, token
 
 def backend_used(dec) -> str | None:
     """What actually ran a speculative decoder's cycles: its torch.compile backend ("inductor",
-    "cuda-graphs"), "eager", or "eager (capture failed: ...)" when graphcycle.py fell back; None for
+    "cuda-graphs"), "eager", or "eager (capture failed: ...)" when the engine fell back; None for
     decoders that are not ours (plain `generate`)."""
     if not hasattr(dec, "capture_failure"):
         return None
@@ -112,10 +112,11 @@ def backend_used(dec) -> str | None:
 def ops_per_cycle(dec, ids: list[int], gen: GenerationSettings, cycles: int = 4) -> dict | None:
     """Mean aten ops per steady-state cycle, to draft and to verify, and the host reads among them:
     what a GPU would launch and wait for, counted on any machine. Not for captured decoders,
-    whose compiled kernels bypass the dispatcher (they run the graph cycle's ops, fused)."""
+    whose compiled kernels bypass the dispatcher (they run the fixed mode's ops, fused)."""
+    from .engine import Engine
     from .opcount import cycle_ops
 
-    if getattr(dec, "compile", None) or not hasattr(dec, "_cycle"):
+    if getattr(dec, "compile", None) or not isinstance(dec, Engine):
         return None
     r = cycle_ops(dec, ids, dataclasses.replace(gen, max_new_tokens=max(gen.max_new_tokens, 64)), cycles=cycles)
     if not r:

@@ -24,7 +24,7 @@ from . import rowgemm
 VERIFY_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64)
 DRAFT_ROWS = (1, 2, 4, 8, 10)
 LM_HEAD_ROWS = (1, 2, 4, 8, 16, 32, 64)
-PROFILE_VERSION = 5  # 2: lm_head alone by rows (decides greedy acceptance's lm_head plan and the default tree);
+PROFILE_VERSION = 6  # 2: lm_head alone by rows (decides greedy acceptance's lm_head plan and the default tree);
                      # 3: every size to 8, timed in interleaved rounds (median), so drift hits all sizes alike;
                      # 4: rowgemm's few-row products against linear by rows (row_products), measured first;
                      # 5: every kernel (linear, transposed, oneDNN packed) per weight shape and rows (products),
@@ -163,9 +163,11 @@ def _timed(fns: dict, rounds: int) -> dict:
 @torch.no_grad()
 def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS, reps: int = 5) -> CostProfile:
     """Time the target's tree forward (with lm_head over every row) and one draft step."""
-    from .kvcache import TreeKVCache, num_cache_layers
+    from .engine import Cycle, Slot
+    from .events import GenerationSettings, StopChecker
     from .target import TargetRunner, text_config
-    from .tree import tree_from_parents
+    from .tree import batch_trees
+    from .treesettings import TreeSettings
 
     run = TargetRunner(model)
     dev = run.device
@@ -183,42 +185,37 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
     verify_rows = [n for n in verify_rows if context + n <= run.max_positions] or [1]
     ctx = torch.randint(0, min(1000, text_config(model.config).vocab_size),
                         (max(context, max(verify_rows)),), device=dev)
-    cache = TreeKVCache(num_cache_layers(model.config), context + max(verify_rows) + 8)
-    run.forward(ctx[:context], torch.arange(context, device=dev), None, cache)
+    # The engine's own cycle at batch 1, one random prompt of `context` tokens admitted: the
+    # verify and the draft step below are the very functions a generation runs.
+    cyc = Cycle(run, head, TreeSettings(total_tokens=2, depth=1, top_k=max(draft_rows)), 1, context + max(verify_rows) + 8)
+    stop = StopChecker(GenerationSettings(max_new_tokens=8, eos_token_ids=()), None, set(), 1 << 30, context)
+    with cyc.session():
+        cyc.admit(0, ctx[:context].tolist(), Slot(key=0, stop=stop), lambda logits: 0)
 
-    def verify_fn(n):
-        tree = tree_from_parents(ctx[:n].clone(), torch.arange(-1, n - 1, device=dev))  # a chain: the mask shape does not change the cost
+        def verify_fn(n):
+            depth, anc = batch_trees(torch.arange(-1, n - 1, device=dev)[None], n - 1)  # a chain: the mask shape does not change the cost
 
-        def one():
-            h = run.forward(tree.tokens, context + tree.depth, run.tree_mask(tree, context), cache)
-            run.logits(h).argmax(-1)
-            cache.truncate(context)
-        return one
+            def one():
+                hidden, _ = cyc._forward(ctx[None, :n], depth, anc, cyc.seq_len)  # rewrites the same slots each time
+                run.logits(hidden[0]).argmax(-1)
+            return one
 
-    verify = _timed({n: verify_fn(n) for n in verify_rows}, reps)
-    # lm_head alone, as acceptance applies it (rowgemm's few-row product where that is faster)
-    hid = torch.randn(max(LM_HEAD_ROWS), text_config(model.config).hidden_size, device=dev, dtype=run.dtype)
-    lm_head = _timed({n: (lambda n=n: run.logits(hid[:n]).argmax(-1)) for n in LM_HEAD_ROWS}, reps)
-    # One draft step over k nodes, with the committed context in the head's own cache.
-    from .tree import additive, appended_visible, causal_attention_bias
+        verify = _timed({n: verify_fn(n) for n in verify_rows}, reps)
+        # lm_head alone, as acceptance applies it (the product plan's kernel)
+        hid = torch.randn(max(LM_HEAD_ROWS), text_config(model.config).hidden_size, device=dev, dtype=run.dtype)
+        lm_head = _timed({n: (lambda n=n: run.logits(hid[:n]).argmax(-1)) for n in LM_HEAD_ROWS}, reps)
+        # One draft step over k nodes, with the prompt in the head's own cache.
+        front = torch.zeros(1, max(draft_rows), head.spec.hidden_size, device=dev, dtype=head.fc.weight.dtype)
 
-    dtype = head.fc.weight.dtype
-    hcache = TreeKVCache(1, context + max(draft_rows) + 8)
-    state = torch.zeros(1, context, head.spec.hidden_size, device=dev, dtype=dtype)
-    head(ctx[:context][None], state, torch.arange(context, device=dev)[None], attention_mask=causal_attention_bias(context, 0, dtype, dev), cache=hcache)
+        def draft_fn(k):
+            visible = torch.eye(k, dtype=torch.bool, device=dev)[None]
 
-    def draft_fn(k):
-        bias = additive(appended_visible(torch.eye(k, dtype=torch.bool, device=dev), context), dtype)
-        tokens = ctx[:k][None]
-        pos = torch.full((1, k), context, device=dev)
+            def step():
+                _, logp = cyc._head_step(ctx[None, :k], front[:, :k], cyc.head_len, 0, visible, cyc._view(k))
+                torch.topk(logp, 4, dim=-1)
+            return step
 
-        def step():
-            h = head(tokens, state[:, :k], pos, attention_mask=bias, cache=hcache)
-            torch.topk(torch.log_softmax(head.draft_logits(h).float(), -1), 4, dim=-1)
-            hcache.truncate(context)
-        return step
-
-    draft = _timed({k: draft_fn(k) for k in draft_rows}, reps)
+        draft = _timed({k: draft_fn(k) for k in draft_rows}, reps)
     return CostProfile(key=profile_key(model, head), verify_ms=verify, draft_ms=draft, lm_head_ms=lm_head, products=products,
                        stream_floor_ms=floor_ms, weight_bytes=weight_bytes)
 
@@ -375,7 +372,7 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 BATCH_TREES = (1, 2, 3, 4, 6)
 BATCH_MAX_ROWS = 96       # the grid stops at B x N rows beyond this (extrapolated linearly)
 BATCH_CONTEXT = 96        # prompt tokens per sequence while timing
-BATCH_VERSION = 1
+BATCH_VERSION = 2  # 2: timed on the one engine's cycle
 
 
 @dataclass
@@ -436,13 +433,13 @@ def batch_key(model, head, depth: int, top_k: int) -> dict:
 @torch.no_grad()
 def measure_batch_costs(model, head, depth: int = 3, top_k: int = 2, batches=BATCH_SIZES, trees=BATCH_TREES,
                         reps: int = 3, context: int = BATCH_CONTEXT) -> BatchCosts:
-    """Time the batched cycle itself (batched.BatchCycle) at every (B, N) of the grid up to
+    """Time the engine's cycle itself (engine.Cycle) at every (B, N) of the grid up to
     BATCH_MAX_ROWS rows: B random prompts of `context` tokens are admitted, then cycles are timed
     in interleaved rounds (median), drafting once per cycle where N > 1."""
-    from .batched import BatchCycle, Slot
+    from .engine import Cycle, Slot
     from .events import GenerationSettings, StopChecker, Summary
-
-    from .target import context_length
+    from .target import TargetRunner, context_length
+    from .treesettings import TreeSettings
 
     run_max = context_length(model.config)
     context = max(1, min(context, run_max // 2))
@@ -455,8 +452,9 @@ def measure_batch_costs(model, head, depth: int = 3, top_k: int = 2, batches=BAT
         if not sizes:
             continue
         n_top = max(sizes)
-        cyc = BatchCycle(model, head if n_top > 1 else None, None, b, n_top, depth, top_k, capacity=context + 8 * (reps + 1) * len(sizes) + 8)
-        try:
+        cyc = Cycle(TargetRunner(model), head if n_top > 1 else None, TreeSettings(total_tokens=max(2, n_top), depth=depth, top_k=top_k), b,
+                    context + 8 * (reps + 1) * len(sizes) + 8)
+        with cyc.session():
             g = GenerationSettings(max_new_tokens=8 * (reps + 1) * len(sizes) + 8, eos_token_ids=())
             for i in range(b):
                 ids = torch.randint(0, min(vocab, 1000), (context,), generator=gen).tolist()
@@ -464,8 +462,11 @@ def measure_batch_costs(model, head, depth: int = 3, top_k: int = 2, batches=BAT
             times = {n: ([], []) for n in sizes}
             for r in range(reps + 1):
                 for n in sizes:
-                    cyc.n_max, cyc.speculative = n, n > 1
+                    cyc.n_max, cyc.speculative = n, n > 1 and cyc.hcache is not None
+                    pairs = cyc.new_tokens
                     cyc.step()
+                    if n == 1:  # a plain cycle leaves one-token rows; timing needs the next draft's shapes, not its pairs
+                        cyc.new_tokens = pairs
                     if r:  # round 0 warms up
                         times[n][0].append(cyc.last["draft_s"])
                         times[n][1].append(cyc.last["verify_s"])
@@ -477,8 +478,6 @@ def measure_batch_costs(model, head, depth: int = 3, top_k: int = 2, batches=BAT
                 draft[b] = 1000 * d[len(d) // 2]
             else:
                 draft[b] = 0.0
-        finally:
-            cyc.close()
     return BatchCosts(key=batch_key(model, head, depth, top_k), verify_ms=verify, draft_ms=draft, depth=depth, top_k=top_k)
 
 

@@ -57,15 +57,13 @@ class Summary:
     # sum; budget.bin_counts) on the tree's device, read only when reported.
     confidence_counts: Any = None        # torch is imported only where used
 
-    def record_confidence(self, tree, path) -> None:
-        """Bin this cycle's drafted nodes by path probability; mark those on the accepted path."""
-        import torch
+    def record_confidence(self, path_probs, on_path) -> None:
+        """One cycle's drafted nodes: their path probabilities and which were on the accepted path."""
+        from .budget import bin_counts
 
-        from .budget import bin_counts, on_accepted_path
-
-        if tree.scores is None or tree.size < 2:
+        if path_probs.numel() == 0:
             return
-        counts = bin_counts(tree.scores[1:].float().exp(), on_accepted_path(tree, torch.as_tensor(path, device=tree.tokens.device)), CONFIDENCE_BINS)
+        counts = bin_counts(path_probs.float(), on_path.float(), CONFIDENCE_BINS)
         self.confidence_counts = counts if self.confidence_counts is None else self.confidence_counts + counts.to(self.confidence_counts.device)
 
     @property

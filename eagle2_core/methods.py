@@ -28,7 +28,7 @@ def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=Non
     pld (HF prompt lookup, 10 tokens), sps (HF assisted generation with `assistant_model`), static/chain
     (our EAGLE-1 tree and chain draft shapes with the same head), tree:N/D/K (the dynamic tree with another
     budget: total tokens / depth / top-k), so tree sizes can be swept against one shared baseline; graph and
-    compiled (EAGLE-2 in graph mode, uncaptured and captured: graphcycle.py), generate-compiled (HF generate
+    compiled (EAGLE-2 in fixed mode, uncaptured and captured: engine.py), generate-compiled (HF generate
     with a static cache and torch.compile, the strongest plain decoding transformers offers).
     `plain` (None: on where the target runs on a CPU): eagle2's own plain decoding, so a speedup
     splits into kernels alone (plain over generate) and speculation alone (eagle2 over plain)."""
@@ -90,8 +90,8 @@ class BatchedEagle:
         self.runtime, self.batch, self.tree_tokens = runtime, batch, tree
         self.plan: dict = {}
         self.stats: dict = {}
-        # What ran (compare's backend_used): the batched cycle is never captured; where the plan
-        # falls back to the per-prompt decoder, that decoder's own backend and capture failure.
+        # What ran (compare's backend_used): batched rows run live (uncaptured); at batch 1 the
+        # runtime's own engine, with its backend and capture failure.
         self.compile, self.capture_failure = None, None
         self._single = None
 
@@ -106,7 +106,7 @@ class BatchedEagle:
             return self.generate_many([ids], [gen])[0]
         import collections
 
-        from .batched import Request
+        from .engine import Request
 
         if self._single is None:  # built once: its end-of-turn ids are read from the tokenizer once
             from .target import model_eos_ids
@@ -121,9 +121,9 @@ class BatchedEagle:
         import collections
         import time
 
-        from .batched import Request
+        from .engine import Request
 
-        dec, self.plan = self.runtime.batch_decoder(len(ids_list), self.batch, self.tree_tokens)
+        dec, self.plan = self.runtime.batch_decoder(len(ids_list), self.batch, self.tree_tokens, record_confidence=True)
         out = {}
         t0 = time.perf_counter()
         if dec is None:  # batch 1 with a tree: the per-prompt decoder

@@ -66,7 +66,7 @@ class OpCounter(TorchDispatchMode):
             self.stage = "other"
 
     def exempt(self, fn, *args):
-        """The cycle's one designated host read (`GraphCycle.read_back`)."""
+        """The cycle's one designated host read (`engine.Cycle.read_back`)."""
         self.designated = True
         try:
             return fn(*args)
@@ -75,30 +75,17 @@ class OpCounter(TorchDispatchMode):
 
 
 @contextmanager
-def counting(decoder, counter: OpCounter):
-    """Route the decoder's cycle stages through `counter` while the block runs."""
-    orig = decoder._cycle
-    patched: list = []
-
-    def cycle(cap):
-        c = orig(cap)
-        for stage, name in (("draft", "draft"), ("verify", "verify_greedy"), ("verify", "verify_sampling")):
-            f = getattr(type(c), name).__get__(c)
-            setattr(c, name, lambda *a, _f=f, _s=stage: counter.staged(_s, _f, *a))
-        if hasattr(type(c), "read_back"):
-            f = type(c).read_back
-            setattr(c, "read_back", lambda *a, _f=f: counter.exempt(_f, *a))
-        patched.append(c)
-        return c
-
-    decoder._cycle = cycle
+def counting(engine, counter: OpCounter):
+    """Route the engine's cycle stages (draft, verify) and its one designated read through `counter`."""
+    engine.counter = counter
+    if engine.cycle is not None:
+        engine.cycle.counter = counter
     try:
         yield counter
     finally:
-        del decoder._cycle
-        for c in patched:
-            for name in ("draft", "verify_greedy", "verify_sampling", "read_back"):
-                c.__dict__.pop(name, None)
+        engine.counter = None
+        if engine.cycle is not None:
+            engine.cycle.counter = None
 
 
 def cycle_ops(decoder, prompt_ids, gen, cycles: int = 6) -> list[dict]:

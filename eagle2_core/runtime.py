@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import rowgemm
-from .decoder import Eagle2Decoder
+from .engine import Engine
 from .events import GenerationSettings
 from .head import DraftHead, HeadSpec
 from .loading import LoadedTarget, LoadError, default_head_for, load_draft_head, load_target
@@ -25,7 +25,7 @@ RANDOM_HEAD = "random"
 
 
 def supports_graph(tree: TreeSettings) -> bool:
-    """Graph mode (graphcycle.py) covers the dynamic tree with a constant budget; other trees run eagerly."""
+    """Fixed mode (engine.py: fixed shapes, captured) takes the dynamic tree with a constant budget; other trees run live."""
     return tree.shape == "dynamic" and tree.budget == "constant"
 
 
@@ -91,7 +91,7 @@ class Runtime:
     chat_template: str | None = None
     draft_name: str = ""
     costs: object = field(default=None, repr=False)  # the measured CostProfile, loaded on first need
-    compile: str | None = None  # torch.compile backend of the graph-mode cycle (graphcycle.py), None = uncaptured
+    compile: str | None = None  # torch.compile backend of the fixed-mode cycle (engine.py), None = uncaptured
     graph: bool = False         # graph mode: fixed shapes on static buffers (on with compile, and on CUDA by default)
     _decoders: dict = field(default_factory=dict, repr=False)  # one per setting: a captured cycle is compiled once
     auto_tree: TreeSettings | None = None  # the per-cycle budget's settings (`--total-tokens auto`, `compare --against auto`)
@@ -184,7 +184,7 @@ class Runtime:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def eagle(self, tree: TreeSettings | None = None, record_confidence: bool = False, compile: bool | None = None,
-              graph: bool | None = None) -> Eagle2Decoder:
+              graph: bool | None = None) -> Engine:
         """A decoder with this runtime's settings; `tree`, `compile` and `graph` override them."""
         if self.head is None:
             raise LoadError("no draft head loaded")
@@ -196,9 +196,9 @@ class Runtime:
         graph = bool(backend) or (self.graph if graph is None else graph) and supports_graph(tree)
         key = (dataclasses.astuple(tree), record_confidence, graph, backend, id(self.head))
         if key not in self._decoders:
-            self._decoders[key] = Eagle2Decoder(self.model, self.head, self.tokenizer, tree,
-                                                self.cost_profile() if tree.budget == "auto" else self.costs,
-                                                record_confidence=record_confidence, graph=graph, compile=backend)
+            self._decoders[key] = Engine(self.model, self.head, self.tokenizer, tree,
+                                         self.cost_profile() if tree.budget == "auto" else self.costs,
+                                         record_confidence=record_confidence, graph=graph, compile=backend)
         return self._decoders[key]
 
     def cost_profile(self, remeasure: bool = False):
@@ -213,17 +213,18 @@ class Runtime:
         return VanillaDecoder(self.model, self.tokenizer, compiled=compiled, **generate_kwargs)
 
     def batch_decoder(self, n_prompts: int, batch_size: int | None = None, tree_tokens: int | str | None = None,
-                      depth: int | None = None, top_k: int | None = None):
-        """(BatchDecoder or None, plan) for a prompt file of `n_prompts` prompts.
+                      depth: int | None = None, top_k: int | None = None, record_confidence: bool = False):
+        """(Engine or None, plan) for a prompt file of `n_prompts` prompts.
 
-        The batch size B and the tree size N (1 = plain decoding) that maximise tokens per second
-        on this machine are chosen from the measured batch costs (costs.BatchCosts) and the
-        head's expected acceptance (batched.prior_expected; replaced by the draft's calibrated
-        confidence once cycles run, per cycle). `batch_size` and an int `tree_tokens` pin them.
-        None means B = 1 with a tree: the per-prompt decoder (`eagle()`), the per-cycle budget included.
+        The batch size B that maximises tokens per second on this machine is chosen from the
+        measured batch costs (costs.BatchCosts) and the head's expected acceptance
+        (engine.prior_expected); each cycle's tree is then chosen by the engine's per-cycle
+        budget (budget.py), costs keyed by (B, N), up to the grid's largest tree. `batch_size` and
+        an int `tree_tokens` pin them (N = 1: plain decoding). None means batch 1 with this
+        runtime's tree: `eagle()`, the same engine with one row.
         """
-        from .batched import BatchDecoder, BatchPlanner, prior_expected, plan
         from .costs import BATCH_TREES, load_or_measure_batch
+        from .engine import plan, prior_expected
 
         if batch_size == 1 and tree_tokens != 1:
             return None, {"batch_size": 1, "tree_tokens": "per-prompt decoder", "reason": "pinned"}
@@ -235,17 +236,25 @@ class Runtime:
             raise LoadError("a tree of more than one node needs a draft head")
         n_max = max(BATCH_TREES) if pinned_n is None else pinned_n
         prior = prior_expected(self.head if usable else None, n_max)
+        costs = None
         if batch_size is not None and pinned_n is not None:  # both pinned: nothing to measure or plan
-            costs, b, n, table = None, batch_size, pinned_n, {}
+            b, n, table = batch_size, pinned_n, {}
         else:
             costs = load_or_measure_batch(self.model, self.head, depth, top_k)
             b, n, table = plan(costs, n_prompts, prior, batch=batch_size, tree=pinned_n)
         info = {"batch_size": b, "tree_tokens": n, "depth": depth, "top_k": top_k, "expected_tok_s": {f"{k[0]}x{k[1]}": round(v, 1) for k, v in table.items()}}
         if b == 1 and pinned_n != 1:
-            # one sequence: the per-prompt decoder, whose per-cycle budget already weighs a tree
-            # against the root alone (budget.py), so batch 1 is never slower than before batching
+            # one sequence: the engine with one row and the runtime's tree, whose per-cycle budget
+            # already weighs a tree against the root alone
             return None, {**info, "tree_tokens": "per-prompt decoder"}
-        n_run = n if pinned_n is not None or n == 1 else n_max
-        planner = BatchPlanner(costs, b, n_run, prior) if pinned_n is None and n_run > 1 else None
-        dec = BatchDecoder(self.model, self.head if n_run > 1 else None, self.tokenizer, b, n_run, depth, top_k, planner=planner)
-        return dec, info
+        if n == 1:
+            return Engine(self.model, None, self.tokenizer, batch=b, costs=self.costs), info
+        if pinned_n is not None:
+            tree = TreeSettings(total_tokens=n, depth=depth, top_k=top_k)
+        else:  # the per-cycle budget, up to the batch grid's largest tree
+            tree = TreeSettings(total_tokens=n_max, depth=depth, top_k=top_k, budget="auto")
+        profile = self.cost_profile() if self.model.get_output_embeddings().weight.device.type == "cpu" else None
+        if tree.budget == "auto" and profile is None:
+            tree = dataclasses.replace(tree, budget="constant", total_tokens=n)
+        return Engine(self.model, self.head, self.tokenizer, tree, profile, batch=b, batch_costs=costs,
+                      record_confidence=record_confidence), info

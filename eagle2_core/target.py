@@ -10,8 +10,8 @@ import torch
 
 from contextlib import contextmanager
 
-from .rowgemm import eligible, linear_rows, plain_linears, row_linears
-from .tree import DraftTree, causal_attention_bias, static_causal_bias, static_tree_bias, tree_attention_bias
+from .rowgemm import eligible, linear_rows, plain_linears
+from .tree import additive
 
 # End-of-turn markers of common chat templates; generation stops at these as at EOS.
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>", "<|endoftext|>", "</s>", "<|end_of_text|>")
@@ -53,41 +53,21 @@ class TargetRunner:
         else:
             self.window = window if getattr(self.config, "use_sliding_window", True) else None
 
-    def _masks(self, full_fn):
+    def masks(self, allowed_fn):
+        """The additive mask the body takes, from `allowed_fn(window)` -> [B, n, view] bool: one mask
+        (windowed or not), or for hybrid models (Gemma 3) a dict by layer type."""
         if self.hybrid:
-            return {"full_attention": full_fn(None), "sliding_attention": full_fn(self.window)}
-        return full_fn(self.window)
+            return {"full_attention": additive(allowed_fn(None), self.dtype), "sliding_attention": additive(allowed_fn(self.window), self.dtype)}
+        return additive(allowed_fn(self.window), self.dtype)
 
-    def tree_mask(self, tree: DraftTree, past: int):
-        return self._masks(lambda w: tree_attention_bias(tree, past, self.dtype, w))
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask, cache) -> torch.Tensor:
-        """Run tokens [N] at absolute positions [N]; returns final-norm hidden states [N, H]."""
-        return self.forward_features(tokens, positions, mask, cache)[0]
-
-    def forward_features(self, tokens: torch.Tensor, positions: torch.Tensor, mask, cache,
-                         layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `forward`, plus the draft head's feature: the final-norm hidden state itself
-        (EAGLE-1/2, `layers` None) or the residual streams entering `layers`, concatenated low
-        to high (EAGLE-3 section 3.2: a low, a middle and a high layer), [N, len(layers) * H]."""
-        if mask is None:  # plain causal append (prefill)
-            past = cache.length
-            mask = self._masks(lambda w: causal_attention_bias(tokens.numel(), past, self.dtype, tokens.device, w))
-        with row_linears(self.cpu_linears), capture_layer_inputs(self.body, layers) as seen:
-            return self.run_body(tokens, positions, mask, cache, seen, layers)
-
-    def run_body(self, tokens, positions, mask, cache, seen: dict, layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The body's forward alone, with `seen` filled by hooks the caller installed (the graph
-        cycle installs them once per generation, so a captured graph does not register hooks)."""
-        out = self.body(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask, cache=cache, use_cache=True)
-        hidden = out.last_hidden_state[0]
-        return hidden, (hidden if layers is None else fuse(seen, layers)[0])
-
-    def static_tree_mask(self, tree: DraftTree, past: torch.Tensor, capacity: int):
-        return self._masks(lambda w: static_tree_bias(tree, past, capacity, self.dtype, w))
-
-    def static_causal_mask(self, positions: torch.Tensor, capacity: int):
-        return self._masks(lambda w: static_causal_bias(positions, capacity, self.dtype, w))
+    def body_forward(self, tokens, positions, mask, cache, seen: dict, layers: tuple[int, ...] | None):
+        """The stock body on our cache, mask and positions ([B, n] each): final-norm hidden states
+        [B, n, H], and the draft head's feature: the hidden state itself (EAGLE-1/2, `layers` None)
+        or the residual streams entering `layers`, concatenated low to high (EAGLE-3 section 3.2),
+        which hooks the caller installed put in `seen` (`capture_layer_inputs`)."""
+        out = self.body(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True)
+        hidden = out.last_hidden_state
+        return hidden, (hidden if layers is None else fuse(seen, layers))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head

@@ -12,7 +12,7 @@ EAGLE-2 (Li et al., 2024, section 4) builds the tree in two phases:
   * rerank: among every node drafted in the expansion phase, keep the `budget` with the highest
     path score. A child's path score never exceeds its parent's, so the kept set is a tree.
 The functions below are those two steps plus the mask/position bookkeeping; the loop that calls
-the draft head lives in `drafter.py`.
+the draft head is `engine.Cycle.draft`. Every function takes a batch of trees, one per sequence.
 """
 from __future__ import annotations
 
@@ -40,70 +40,59 @@ class DraftTree:
                            for t in (self.tokens, self.parents, self.depth, self.ancestors, self.scores)))
 
 
+def batch_trees(parents: torch.Tensor, depth_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depths [B, N] and ancestor masks [B, N, N] of B trees from their parent vectors [B, N]
+    (parents before children, -1 for the root). Each pass pushes ancestry down one level, so
+    `depth_max` passes (the drafter knows the depth) settle a tree with no host read."""
+    b, n = parents.shape
+    anc = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n).clone()
+    depth = torch.zeros(b, n, dtype=torch.long, device=parents.device)
+    has_parent = parents >= 0
+    p = parents.clamp(min=0)
+    for _ in range(depth_max if n > 1 else 0):
+        anc = anc | (anc.gather(1, p[:, :, None].expand(b, n, n)) & has_parent[:, :, None])
+        depth = torch.where(has_parent, depth.gather(1, p) + 1, 0)
+    return depth, anc
+
+
 def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, max_depth: int | None = None) -> DraftTree:
-    """Depths and the ancestor mask from a parent vector (parents before children).
-
-    Each pass pushes ancestry down one level, so a tree of depth D needs D passes: a loop over
-    depth levels, never over nodes. Given `max_depth` (the drafter knows it) the passes run
-    without checking for convergence, i.e. without a host sync.
-    """
-    n = tokens.shape[0]
-    device = tokens.device
-    ancestors = torch.eye(n, dtype=torch.bool, device=device)
-    depth = torch.zeros(n, dtype=torch.long, device=device)
-    if n > 1:
-        # Whole-tensor updates (no slice assignment): every non-root row ORs in its parent's row.
-        has_parent = (parents >= 0)
-        p = parents.clamp(min=0)
-        for _ in range(max_depth if max_depth is not None else n - 1):
-            new_anc = ancestors | (ancestors[p] & has_parent[:, None])
-            new_depth = torch.where(has_parent, depth[p] + 1, 0)
-            if max_depth is None and torch.equal(new_anc, ancestors) and torch.equal(new_depth, depth):
-                break
-            ancestors, depth = new_anc, new_depth
-    return DraftTree(tokens=tokens, parents=parents, depth=depth, ancestors=ancestors)
+    """One tree (`batch_trees` at B = 1): depths and the ancestor mask from a parent vector."""
+    depth, anc = batch_trees(parents[None], max_depth if max_depth is not None else tokens.shape[0] - 1)
+    return DraftTree(tokens=tokens, parents=parents, depth=depth[0], ancestors=anc[0])
 
 
-def select_expansion(path_scores: torch.Tensor, k: int) -> torch.Tensor:
-    """EAGLE-2 expansion (section 4.1): indices of the k candidates with the highest path score.
+def rerank_batch(pool_tokens, pool_parents, pool_scores, roots, budget: int, depth_max: int):
+    """EAGLE-2 rerank (section 4.2) per row: keep the `budget` drafted nodes with the highest path
+    scores, in pool order. Pool entries are drafted depth by depth, so parents precede children
+    (`pool_parents` indexes the pool, -1 = the root); ties go to the earlier, shallower node, so a
+    parent always beats a child of equal score and the kept set stays a tree.
+    Returns (tokens, parents, depth, ancestors, scores), each [B, budget + 1], root first."""
+    b, p = pool_scores.shape
+    dev = roots.device
+    budget = max(0, min(budget, p))
+    order = torch.sort(pool_scores, dim=1, descending=True, stable=True).indices[:, :budget]
+    keep = torch.sort(order, dim=1).values
+    remap = torch.full((b, p + 1), -1, dtype=torch.long, device=dev)
+    remap.scatter_(1, keep + 1, torch.arange(1, budget + 1, device=dev).expand(b, budget))
+    remap[:, :1].zero_()  # pool parent -1 is the root (zero_: no tensor from host data)
+    parents = torch.cat([torch.full((b, 1), -1, dtype=torch.long, device=dev), remap.gather(1, pool_parents.gather(1, keep) + 1)], 1)
+    tokens = torch.cat([roots[:, None], pool_tokens.gather(1, keep)], 1)
+    # path scores travel with the tree: the calibration check (section 3) compares them with acceptance
+    scores = torch.cat([torch.zeros(b, 1, dtype=pool_scores.dtype, device=dev), pool_scores.gather(1, keep)], 1)
+    depth, anc = batch_trees(parents, depth_max)
+    return tokens, parents, depth, anc, scores
 
-    `path_scores` is flat over all candidates of this depth (k parents x k children). Passing the
-    node's own log-prob instead of the path score gives the paper's "expand by confidence" ablation.
-    """
-    k = min(k, path_scores.numel())
-    return torch.topk(path_scores, k, sorted=True).indices
+
+def rerank(pool_tokens, pool_parents, pool_scores, root_token, budget: int, max_depth: int | None = None) -> DraftTree:
+    """`rerank_batch` for one tree."""
+    t, p, d, a, s = rerank_batch(pool_tokens[None], pool_parents[None], pool_scores[None], root_token.view(1), budget,
+                                 max_depth if max_depth is not None else max(1, pool_tokens.shape[0]))
+    return DraftTree(t[0], p[0], d[0], a[0], s[0])
 
 
-def rerank(
-    pool_tokens: torch.Tensor,
-    pool_parents: torch.Tensor,
-    pool_scores: torch.Tensor,
-    root_token: torch.Tensor,
-    budget: int,
-    max_depth: int | None = None,
-) -> DraftTree:
-    """EAGLE-2 rerank (section 4.2): keep the `budget` drafted nodes with the highest path scores.
-
-    Pool entries are drafted nodes in the order they were drafted (depth by depth), so every
-    parent precedes its children; `pool_parents` indexes the pool, -1 meaning the root.
-    Ties are broken towards the earlier (shallower) node, so a parent always wins over a child
-    with the same score and the kept set stays closed under ancestry.
-    """
-    budget = max(0, min(budget, pool_tokens.shape[0]))
-    order = torch.sort(pool_scores, descending=True, stable=True).indices[:budget]
-    keep = torch.sort(order).values  # pool order = parents before children
-    # Map pool index -> tree index (root is tree index 0, kept nodes 1..budget).
-    remap = torch.full((pool_tokens.shape[0] + 1,), -1, dtype=torch.long, device=pool_tokens.device)
-    remap.index_copy_(0, keep + 1, torch.arange(1, budget + 1, device=pool_tokens.device))
-    remap[:1].zero_()  # pool parent -1 (+1 -> 0) is the root
-    parents = remap[pool_parents[keep] + 1]
-    tokens = torch.cat([root_token.view(1), pool_tokens[keep]])
-    parents = torch.cat([torch.full((1,), -1, dtype=parents.dtype, device=parents.device), parents])  # no host->device copy
-    tree = tree_from_parents(tokens, parents, max_depth)
-    # Path scores travel with the tree: the paper's calibration check (section 3) compares them
-    # with what verification accepts.
-    tree.scores = torch.cat([torch.zeros(1, dtype=pool_scores.dtype, device=pool_scores.device), pool_scores[keep]])
-    return tree
+def row_tree(tokens, parents, depth, anc, scores, b: int) -> DraftTree:
+    """Row b of a batch of trees as one `DraftTree` (processors, sampling and reports work per sequence)."""
+    return DraftTree(tokens[b], parents[b], depth[b], anc[b], None if scores is None else scores[b])
 
 
 def static_choices(total_tokens: int, depth: int, top_k: int, decay: float = 0.45) -> list[tuple[int, ...]]:
@@ -152,37 +141,35 @@ def choices_to_levels(choices: list[tuple[int, ...]]) -> list[list[tuple[int, in
     return levels
 
 
-def tree_attention_bias(tree: DraftTree, past_len: int, dtype: torch.dtype, sliding_window: int | None = None) -> torch.Tensor:
-    """Additive 4D mask [1, 1, N, past_len + N] for verifying the tree on top of a cache.
+# -- attention masks, batched: slot = position in every row of the cache (engine.KVCache) -----
 
-    Every node sees the whole committed context plus its own ancestors (paper section 3: tree
-    attention). With a sliding window, a node at absolute position q sees keys at positions > q - w.
-    An additive float mask works with every attention backend (eager, sdpa, flex via conversion).
-    """
-    device = tree.tokens.device
-    allowed = appended_visible(tree.ancestors, past_len)
-    if sliding_window is not None:
-        q_pos = past_len + tree.depth  # absolute position of each node
-        k_pos = torch.cat([torch.arange(past_len, device=device), past_len + tree.depth])
-        allowed &= k_pos[None, :] > (q_pos[:, None] - sliding_window)
-    return additive(allowed, dtype)
+def context_and_tree(past: torch.Tensor, visible: torch.Tensor, view: int) -> torch.Tensor:
+    """[B, n, view] bool: row b's n queries see its context slots < past[b], plus the m tree rows
+    at slots past[b] .. past[b] + m - 1 that `visible` [B, n, m] marks (tree attention, section 3)."""
+    b, n, m = visible.shape
+    k = torch.arange(view, device=visible.device)
+    allowed = (k[None, None, :] < past[:, None, None]).expand(b, n, view).clone()
+    cols = (past[:, None] + torch.arange(m, device=visible.device))[:, None, :].expand(b, n, m)
+    return allowed.scatter_(2, cols, visible)
+
+
+def causal_rows(positions: torch.Tensor, view: int) -> torch.Tensor:
+    """[B, n, view] bool: a query at position p sees slots <= p (prefill and the draft's absorb)."""
+    return torch.arange(view, device=positions.device)[None, None, :] <= positions[:, :, None]
+
+
+def windowed(allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Sliding-window attention (Mistral, Gemma 3's local layers): keys within `window` positions."""
+    if window is None:
+        return allowed
+    return allowed & (k_pos[:, None, :] > q_pos[:, :, None] - window)
 
 
 def causal_attention_bias(q_len: int, past_len: int, dtype: torch.dtype, device, sliding_window: int | None = None) -> torch.Tensor:
-    """Ordinary causal additive mask [1, 1, q_len, past_len + q_len] (prefill and plain appends)."""
-    q_pos = past_len + torch.arange(q_len, device=device)
-    k_pos = torch.arange(past_len + q_len, device=device)
-    allowed = k_pos[None, :] <= q_pos[:, None]
-    if sliding_window is not None:
-        allowed &= k_pos[None, :] > (q_pos[:, None] - sliding_window)
-    return additive(allowed, dtype)
-
-
-def appended_visible(visible: torch.Tensor, past_len: int) -> torch.Tensor:
-    """[n, past_len + m] bool over a growable cache: every row sees the past_len context keys, plus
-    the m rows appended after them that `visible` [n, m] marks (its ancestors and itself)."""
-    ctx = torch.ones(visible.shape[0], past_len, dtype=torch.bool, device=visible.device)
-    return torch.cat([ctx, visible], dim=1)
+    """Ordinary causal additive mask [1, 1, q_len, past_len + q_len]."""
+    q = past_len + torch.arange(q_len, device=device)[None]
+    k = torch.arange(past_len + q_len, device=device)[None]
+    return additive(windowed(causal_rows(q, past_len + q_len), q, k, sliding_window), dtype)
 
 
 def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -190,38 +177,3 @@ def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     attention backend takes: 0 where a key is seen, the dtype's lowest value where it is not."""
     bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
     return bias[None, None] if allowed.dim() == 2 else bias[:, None]
-
-
-# -- the same masks over a static cache (graph mode, issue 16) --------------------------------
-# A static cache has `capacity` slots whatever the length, and the length lives on the device,
-# so these masks always have capacity columns and take the length as a tensor. Context slot c
-# holds position c; the tree's rows sit in the slots right after the context.
-
-def static_causal_bias(positions: torch.Tensor, capacity: int, dtype: torch.dtype, sliding_window: int | None = None) -> torch.Tensor:
-    """[1, 1, n, capacity]: row i (at position positions[i], written to slot positions[i]) sees slots <= its own."""
-    k_pos = torch.arange(capacity, device=positions.device)
-    allowed = k_pos[None, :] <= positions[:, None]
-    if sliding_window is not None:
-        allowed &= k_pos[None, :] > (positions[:, None] - sliding_window)
-    return additive(allowed, dtype)
-
-
-def static_visible(visible: torch.Tensor, past_len: torch.Tensor, capacity: int) -> torch.Tensor:
-    """[n, capacity] bool: every row sees the context slots < past_len, plus the m tree rows in
-    slots past_len .. past_len + m - 1 that `visible` [n, m] marks (its ancestors and itself)."""
-    n, m, device = visible.shape[0], visible.shape[1], visible.device
-    allowed = (torch.arange(capacity, device=device) < past_len)[None].expand(n, capacity).clone()
-    allowed.scatter_(1, (past_len + torch.arange(m, device=device))[None].expand(n, -1), visible)
-    return allowed
-
-
-def static_tree_bias(tree: DraftTree, past_len: torch.Tensor, capacity: int, dtype: torch.dtype, sliding_window: int | None = None) -> torch.Tensor:
-    """`tree_attention_bias` over a static cache: [1, 1, N, capacity], the tree in slots past_len + i."""
-    n, device = tree.size, tree.tokens.device
-    slots = past_len + torch.arange(n, device=device)
-    allowed = static_visible(tree.ancestors, past_len, capacity)
-    if sliding_window is not None:
-        q_pos = past_len + tree.depth
-        k_pos = torch.arange(capacity, device=device).scatter(0, slots, q_pos)
-        allowed &= k_pos[None, :] > (q_pos[:, None] - sliding_window)
-    return additive(allowed, dtype)

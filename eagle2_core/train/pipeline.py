@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..decoder import Eagle2Decoder
+from ..engine import Engine
 from ..treesettings import TreeSettings
 from ..events import GenerationSettings, Summary
 from ..headfiles import build_head
@@ -65,7 +65,7 @@ def held_out_eval(target_model, tokenizer, prompts: list[list[int]], max_new_tok
         # A copy in the target's dtype and device, as inference loads it: the trained head keeps
         # fp32 master weights, which a bf16 target's features would not match.
         head = build_head(head.spec, head.head_state_dict(), head.draft_vocab).bind(target_model).eval()
-        dec = Eagle2Decoder(target_model, head, tokenizer, tree or TreeSettings())
+        dec = Engine(target_model, head, tokenizer, tree or TreeSettings())
         total = Summary()
         with torch.no_grad():
             for ids in prompts:

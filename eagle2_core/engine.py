@@ -1,0 +1,813 @@
+"""The decoding engine: one EAGLE-2 cycle with a batch dimension, for chat, prompt files, compare and the GPU.
+
+Every path runs the same cycle on B >= 1 sequences (*rows*): draft a tree per row with the draft
+head (EAGLE-2 section 4: expansion by path score, then rerank), verify every row's tree in one
+forward of the stock transformers target (the trees go in as an additive mask and positions; no
+modeling file is patched), accept per row, commit the accepted KV in place. Chat is one request;
+a prompt file is a queue, and a row whose sequence ends takes the next prompt (continuous
+batching). N = 1 (the root alone) is plain decoding through the same cycle.
+
+Two modes of the one cycle:
+  * live (the CPU default): the per-cycle budget chooses each cycle's tree size and depth from the
+    draft's confidence and the measured costs (budget.py); attention spans the longest live row;
+    lm_head runs on internal rows first where the measured costs say it pays; host reads allowed.
+  * fixed (the CUDA default): fixed tree size and absorb width, state on the device, capacity in
+    power-of-two buckets (attention spans the bucket), one host read per cycle; `draft_fn` and
+    `verify_fn` are captured by torch.compile, once per (batch, tree size, capacity) shape, as
+    SGLang captures a graph per batch size. Logits processors and sampling run their host-side
+    steps between the two, uncaptured.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from collections import deque
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .accept import accept_greedy_batch, accept_sampling_keyed, first_token, generation_seed, position_uniforms
+from .budget import BudgetChooser
+from .events import GenerationSettings, StepEvent, StopChecker, Summary, collect
+from .rowgemm import row_linears
+from .target import TargetRunner, capture_layer_inputs, model_eos_ids, text_config
+from .tree import (DraftTree, additive, batch_trees, causal_rows, chain_choices, choices_to_levels, context_and_tree, rerank_batch,
+                   row_tree, static_choices, windowed)
+from .treesettings import TreeSettings
+
+
+# -- the KV cache: [B, heads, capacity, dim], slot = position in every row ----------------------
+
+class KVLayer(CacheLayerMixin):
+    """K/V buffers [B, heads, capacity, dim]; rows are written at the owner's `slots` [B, n] (or,
+    for one row's prefill, `row` and `slots` [n]) and attention reads the first `view` slots."""
+    is_sliding = False  # every position is kept; sliding windows are applied by the mask
+    is_compileable = True
+    is_croppable = False
+
+    def __init__(self, owner: "KVCache"):
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        o = self.owner
+        self.device = key_states.device
+        self.keys = torch.zeros(o.batch, key_states.shape[1], o.capacity, key_states.shape[3], dtype=key_states.dtype, device=self.device)
+        self.values = torch.zeros(o.batch, value_states.shape[1], o.capacity, value_states.shape[3], dtype=value_states.dtype, device=self.device)
+        if o.static and not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(self.keys)  # CUDA graphs must see one address on every replay
+            torch._dynamo.mark_static_address(self.values)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        o = self.owner
+        if o.row is not None:  # one sequence's prefill into its own row
+            self.keys[o.row].index_copy_(1, o.slots, key_states[0])
+            self.values[o.row].index_copy_(1, o.slots, value_states[0])
+            return self.keys[o.row : o.row + 1, :, : o.view], self.values[o.row : o.row + 1, :, : o.view]
+        rows = torch.arange(o.batch, device=self.device)[:, None]
+        # advanced indices around a slice put their dims first: [B, n, heads, dim]
+        self.keys[rows, :, o.slots] = key_states.transpose(1, 2)
+        self.values[rows, :, o.slots] = value_states.transpose(1, 2)
+        return self.keys[:, :, : o.view], self.values[:, :, : o.view]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.view, 0
+
+    def get_seq_length(self) -> int:
+        raise RuntimeError("this cache keeps its lengths per row; pass position_ids")
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+
+class KVCache(Cache):
+    """One `KVLayer` per decoder layer, written at the same slots each forward. `static`: the
+    buffers keep their addresses (fixed mode; a capacity bucket change makes new ones)."""
+
+    def __init__(self, num_layers: int, batch: int, capacity: int, static: bool = False):
+        self.batch, self.capacity, self.static = batch, capacity, static
+        self.slots, self.row, self.view = None, None, capacity
+        super().__init__(layers=[KVLayer(self) for _ in range(num_layers)])
+
+    def _each(self, fn) -> None:
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.keys, layer.values = fn(layer.keys), fn(layer.values)
+
+    def commit(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Per row b, move slots src[b] to dst[b] (the accepted path into place; the rest is
+        dropped: section 3), all layers. The right side is gathered (copied) first."""
+        rows = torch.arange(src.shape[0], device=src.device)[:, None]
+        for layer in self.layers:
+            if layer.is_initialized:
+                for buf in (layer.keys, layer.values):
+                    buf[rows, :, dst] = buf[rows, :, src]
+
+    def grow(self, capacity: int) -> None:
+        def bigger(t):
+            new = t.new_zeros(t.shape[0], t.shape[1], capacity, t.shape[3])
+            new[:, :, : t.shape[2]] = t
+            return new
+        self._each(bigger)
+        self.capacity = capacity
+
+    def compact(self, rows: torch.Tensor) -> None:
+        """Keep only these rows, in this order: a smaller batch once rows go idle."""
+        self._each(lambda t: t.index_select(0, rows))
+        self.batch = int(rows.numel())
+
+
+def num_cache_layers(config) -> int:
+    return text_config(config).num_hidden_layers
+
+
+def bucket(n: int, least: int = 64) -> int:
+    """The power of two >= n (and >= least): fixed mode's capacity and batch buckets."""
+    return max(least, 1 << (max(1, n) - 1).bit_length())
+
+
+# -- one sequence ------------------------------------------------------------------------------
+
+@dataclass
+class Request:
+    key: object            # the caller's handle (returned with the result)
+    ids: list[int]         # the prompt, encoded
+    gen: object            # GenerationSettings
+
+
+@dataclass
+class Slot:
+    """One sequence in a row of the batch, on the host: its stop checks, processors, sampling, statistics."""
+    key: object
+    stop: object
+    procs: object = None     # sampling.TargetProcessors: generation_config's processors, warpers included
+    prompt: list = field(default_factory=list)
+    seed: int = 0            # sampling: one uniform per output position from (seed, position)
+    tokens: list = field(default_factory=list)   # emitted tokens (the root of the next cycle is the last)
+    summary: object = None
+    started: float = 0.0
+
+    @property
+    def host_side(self) -> bool:
+        """Whether verifying this row needs host-side steps (processors, sampling): never captured."""
+        return self.procs is not None and (self.procs.active or self.procs.sampling)
+
+
+def new_slot(key, gen, stop, summary, model=None, prompt=(), eos=()) -> Slot:
+    from .sampling import TargetProcessors
+
+    procs = TargetProcessors(gen, getattr(model, "generation_config", None), list(prompt) or [0], sorted(eos), gen.max_new_tokens)
+    # a seeded answer depends on (seed, position) alone; unseeded, a fresh 64-bit seed per sequence
+    return Slot(key=key, stop=stop, procs=procs, prompt=list(prompt), seed=generation_seed(gen.seed), summary=summary,
+                started=time.perf_counter())
+
+
+def pick_fn(slot: Slot):
+    """The first token after a prompt: argmax of the processed scores, or the draw of output position 0."""
+    def pick(logits):
+        if slot.procs is not None and slot.procs.active:
+            logits = slot.procs.scores(logits, torch.tensor([slot.prompt], dtype=torch.long, device=logits.device))
+        if slot.procs is None or not slot.procs.sampling:
+            return int(logits.argmax(-1)[0])
+        return first_token(logits[0], slot.seed)
+    return pick
+
+
+def _compile(fn, backend: str):
+    """torch.compile a cycle function whole; "cuda-graphs" = inductor replayed as one CUDA graph."""
+    if backend == "cuda-graphs":
+        return torch.compile(fn, backend="inductor", mode="reduce-overhead", fullgraph=True, dynamic=False)
+    return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+
+
+# -- the cycle -----------------------------------------------------------------------------------
+
+class Cycle:
+    """B rows decoding together: the target's and the head's caches, per-row state on the device,
+    and one host read per cycle. `head` None (or a one-node tree) is plain decoding."""
+
+    def __init__(self, run: TargetRunner, head, tree: TreeSettings, batch: int, capacity: int, *, fixed: bool = False,
+                 backend: str | None = None):
+        self.run, self.head, self.tree, self.batch, self.fixed = run, head, tree, batch, fixed
+        self.k, self.depth = max(1, tree.top_k), max(1, tree.depth)
+        if head is None:
+            self.n_max = 1
+        elif tree.shape == "dynamic":
+            self.n_max = min(tree.total_tokens, self.k + (self.depth - 1) * self.k ** 2 + 1)  # the candidate pool bounds it
+        else:  # EAGLE-1's static tree or a chain: the same sibling ranks every cycle
+            choices = chain_choices(self.depth) if tree.shape == "chain" else static_choices(tree.total_tokens, self.depth, self.k)
+            self.levels = choices_to_levels(choices)
+            self.n_max = len(choices) + 1
+        self.speculative = self.n_max > 1
+        self.width = self.depth + 1 if self.speculative else 1   # accepted path, root first: the absorb width
+        self.margin = max(self.n_max, self.depth * self.k) + self.width + 8  # room past a sequence's end for one tree
+        self.capacity = self._capacity(capacity)
+        self.cache = KVCache(num_cache_layers(run.model.config), batch, self.capacity, static=fixed)
+        self.hcache = KVCache(1, batch, self.capacity, static=fixed) if self.speculative else None
+        self.layers = head.feature_layers if self.speculative else None
+        dev = run.device
+        z = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.seq_len, self.root, self.head_len = z.clone(), z.clone(), z.clone()
+        self.n_new = z + 1  # a row never admitted still gathers its root state at n_new - 1 (not -1)
+        self.active = torch.zeros(batch, dtype=torch.bool, device=dev)
+        self.new_tokens = torch.zeros(batch, self.width, dtype=torch.long, device=dev)
+        self.new_features = None  # [B, width, F], made at the first admission
+        self.slots: list[Slot | None] = [None] * batch
+        self.host_len = [0] * batch  # mirrors of seq_len from the read-back, for the live view
+        self.chooser: BudgetChooser | None = None  # live mode's per-cycle budget (set by the engine)
+        self.one_product = True   # lm_head over every tree row at once (else internal rows first)
+        self.record_confidence = False
+        self.counter = None       # opcount.OpCounter while counting
+        self.steps = 1            # head steps of the last draft (the absorb, then one per depth)
+        self.last: dict = {}
+        self.seen: dict = {}
+        self.backend = backend if fixed else None
+        self.capture_failure = None
+        self._draft, self._verify = self.draft_fn, self.verify_fn
+        if self.backend:
+            self._draft, self._verify = _compile(self.draft_fn, self.backend), _compile(self.verify_fn, self.backend)
+
+    def _capacity(self, need: int) -> int:
+        need = need + self.margin
+        return bucket(need) if self.fixed else need
+
+    @contextmanager
+    def session(self):
+        """Hooks (EAGLE-3's layer inputs) and the measured product plan, for one run only: outside
+        it the model is the user's (`generate` included). A run stopped early (Ctrl-C) ends here too."""
+        with ExitStack() as stack:
+            if not self.backend:  # captured cycles leave products to the compiler
+                stack.enter_context(row_linears(self.run.cpu_linears))
+            if self.layers:
+                self.seen = stack.enter_context(capture_layer_inputs(self.run.body, self.layers))
+            yield
+
+    # -- rows ---------------------------------------------------------------------------------
+    @property
+    def free(self) -> list[int]:
+        return [i for i, s in enumerate(self.slots) if s is None]
+
+    @property
+    def busy(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    def reset(self) -> None:
+        """A new run: every row free, drafting on again (a run may have gone plain: `Engine._run`)."""
+        self.slots = [None] * self.batch
+        self.active.zero_()
+        self.seq_len.zero_()
+        self.host_len = [0] * self.batch  # idle rows keep their lengths (their slots stay inside the view)
+        self.speculative = self.hcache is not None
+        if self.new_tokens.shape[1] != self.width:  # a run that went plain left one-token rows
+            self.new_tokens = torch.zeros(self.batch, self.width, dtype=torch.long, device=self.run.device)
+
+    def ensure_capacity(self, need: int) -> None:
+        cap = self._capacity(min(need, self.run.max_positions))
+        if cap > self.capacity:
+            cap = cap if self.fixed else max(cap, 2 * self.capacity)
+            for c in (self.cache, self.hcache):
+                if c is not None:
+                    c.grow(cap)
+            self.capacity = cap
+
+    @torch.no_grad()
+    def admit(self, b: int, ids: list[int], slot: Slot, pick) -> int:
+        """Prefill one prompt into row b, alone, and return its first token (`pick(logits)`). The
+        head absorbs the prompt's pairs (f_t, x_{t+1}) here too, all but the last, which the next
+        cycle's draft absorbs with the other rows' new pairs at the fixed width."""
+        dev, n = self.run.device, len(ids)
+        self.ensure_capacity(n + slot.stop.remaining + 1)
+        x = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos = torch.arange(n, device=dev)
+        c = self.cache
+        c.row, c.slots, c.view = b, pos, n
+        mask = self.run.masks(lambda w: windowed(causal_rows(pos[None], n), pos[None], pos[None], w))
+        try:
+            hidden, feats = self.run.body_forward(x[None], pos[None], mask, c, self.seen, self.layers)
+        finally:
+            c.row = None
+        root = pick(self.run.logits(hidden[0, -1:]))
+        if self.speculative:
+            feats = feats[0]
+            if self.new_features is None:
+                self.new_features = torch.zeros(self.batch, self.width, feats.shape[-1], dtype=feats.dtype, device=dev)
+            if n > 1:  # pairs (f_t, x_{t+1}) sit at position t (the EAGLE convention)
+                h = self.hcache
+                h.row, h.slots, h.view = b, pos[: n - 1], n - 1
+                try:
+                    bias = additive(causal_rows(pos[None, : n - 1], n - 1), self.head.fc.weight.dtype)
+                    self.head(x[None, 1:], self.head.project(feats[None, : n - 1]), pos[None, : n - 1], attention_mask=bias, cache=h)
+                finally:
+                    h.row = None
+            self.new_tokens[b, 0] = root
+            self.new_features[b, 0] = feats[-1]
+            self.head_len[b], self.n_new[b] = n - 1, 1
+        self.seq_len[b], self.root[b], self.active[b] = n, root, True
+        self.host_len[b] = n
+        self.slots[b] = slot
+        return root
+
+    def release(self, b: int) -> Slot:
+        slot, self.slots[b] = self.slots[b], None
+        self.active[b] = False
+        return slot
+
+    def compact(self, keep: list[int]) -> None:
+        """Keep only rows `keep` (busy ones, and in fixed mode idle ones up to the batch bucket)."""
+        rows = torch.tensor(keep, dtype=torch.long, device=self.run.device)
+        for c in (self.cache, self.hcache):
+            if c is not None:
+                c.compact(rows)
+        for name in ("seq_len", "root", "head_len", "n_new", "active", "new_tokens", "new_features"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).index_select(0, rows))
+        self.slots = [self.slots[i] for i in keep]
+        self.host_len = [self.host_len[i] for i in keep]
+        self.batch = len(keep)
+
+    def _view(self, extra: int) -> int:
+        """Slots attention reads: the whole bucket in fixed mode (one shape), else the longest live
+        row plus this cycle's rows."""
+        return self.capacity if self.fixed else min(self.capacity, max(self.host_len) + extra)
+
+    # -- draft (section 4): capturable when no chooser runs ---------------------------------------
+    def draft_fn(self, new_tokens, new_features, head_len, n_new, root, active):
+        """Absorb every row's new pairs, then grow one tree per row. Returns the trees
+        (tokens, parents, depth, ancestors, path scores), each [B, N], and the head's new length."""
+        head, h, dev = self.head, self.hcache, new_tokens.device
+        b, w = new_tokens.shape
+        dtype = head.fc.weight.dtype
+        positions = head_len[:, None] + torch.arange(w, device=dev)
+        view = self._view(w + self.depth * self.k)
+        h.slots, h.view = positions, view
+        out = head(new_tokens, head.project(new_features), positions, attention_mask=additive(causal_rows(positions, view), dtype), cache=h)
+        hid = out.gather(1, (n_new - 1)[:, None, None].expand(b, 1, out.shape[-1]))[:, 0]  # each row's root state
+        ctx = head_len + n_new                  # the head's context after the absorb = the root's position
+        head_len = torch.where(active, ctx, head_len)
+        logp = torch.log_softmax(head.draft_logits(hid).float(), dim=-1)
+        if self.chooser is not None:
+            self.steps = 1
+        grow = self._grow_dynamic if self.tree.shape == "dynamic" else self._grow_static
+        return grow(hid, logp, ctx, view, root, active) + (head_len,)
+
+    def _head_step(self, tokens, front_h, ctx, d: int, visible, view):
+        """Feed one depth of tree nodes [B, m] (depth d + 1, all at position ctx + d); `visible`
+        [B, m, fed] marks which of the tree rows fed so far each sees. Their rows go to head-cache
+        slots after the context, which the next absorb overwrites: tree tokens are not context."""
+        b, m = tokens.shape
+        fed = visible.shape[2]
+        self.hcache.slots, self.hcache.view = ctx[:, None] + torch.arange(fed - m, fed, device=tokens.device), view
+        bias = additive(context_and_tree(ctx, visible, view), self.head.fc.weight.dtype)
+        out = self.head(tokens, front_h, (ctx + d)[:, None].expand(b, m), attention_mask=bias, cache=self.hcache)
+        if self.chooser is not None:  # host bookkeeping: live mode only, never inside a capture
+            self.steps += 1
+        return out, torch.log_softmax(self.head.draft_logits(out).float(), dim=-1)
+
+    def _grow_dynamic(self, hid, logp, ctx, view, root, active):
+        """EAGLE-2's dynamic tree: expand the top-k nodes by path score at each depth (section 4.1),
+        then rerank every drafted node by path score and keep the best N - 1 (section 4.2)."""
+        head, dev, ch = self.head, hid.device, self.chooser
+        b = hid.shape[0]
+        k = min(self.k, logp.shape[-1])  # top_k may exceed a tiny (or pruned draft) vocabulary
+        scores, ids = torch.topk(logp, k, dim=-1)          # [B, k]
+        tokens = head.to_target_ids(ids)
+        pool_t, pool_p, pool_s = [tokens], [torch.full((b, k), -1, dtype=torch.long, device=dev)], [scores]
+        expanded = [torch.ones(b, k, dtype=torch.bool, device=dev)]
+        front_idx, front_s = torch.arange(k, device=dev).expand(b, k), scores
+        front_h = hid[:, None].expand(b, k, hid.shape[-1])
+        eye = torch.eye(k, dtype=torch.bool, device=dev).expand(b, k, k)
+        visible, size = eye, k
+        if ch is not None:
+            ch.note_children(scores[active])
+        for d in range(1, self.depth):
+            # live mode: the depth too is chosen per cycle, where deeper levels stop paying (budget.py)
+            if ch is not None and not ch.worth_expanding(torch.cat(pool_s, 1)[active], front_s[active], self.steps, self.depth - d):
+                break
+            m = visible.shape[2]
+            out_h, out_lp = self._head_step(tokens, front_h, ctx, d - 1, visible, view)
+            child_lp, child_ids = torch.topk(out_lp, k, dim=-1)            # [B, k, k]
+            if ch is not None:
+                ch.note_children(child_lp[active].flatten(0, 1))
+            path = (front_s[:, :, None] + child_lp).flatten(1)            # path score = product of confidences
+            key = path if self.tree.expand_by == "path" else child_lp.flatten(1)  # "node": the paper's ablation
+            sel = torch.topk(key, k, dim=1).indices
+            parent = sel // k
+            pool_t.append(head.to_target_ids(child_ids).flatten(1))
+            pool_p.append(front_idx.repeat_interleave(k, dim=1))
+            pool_s.append(path)
+            expanded.append(torch.zeros(b, k * k, dtype=torch.bool, device=dev).scatter_(1, sel, True))
+            tokens, front_idx, front_s = pool_t[-1].gather(1, sel), size + sel, path.gather(1, sel)
+            front_h = out_h.gather(1, parent[:, :, None].expand(-1, -1, out_h.shape[-1]))
+            visible = torch.cat([visible.gather(1, parent[:, :, None].expand(-1, -1, m)), eye], 2)
+            size += k * k
+        pool_t, pool_p, pool_s = torch.cat(pool_t, 1), torch.cat(pool_p, 1), torch.cat(pool_s, 1)
+        n = min(self.n_max, size + 1)
+        if not self.tree.rerank:  # ablation: the expanded nodes themselves, shallowest first
+            pick = torch.cat(expanded, 1)
+            pool_s = torch.where(pick, -torch.arange(size, device=dev, dtype=pool_s.dtype), float("-inf"))
+            n = min(n, int(pick[0].sum()) + 1)
+        elif ch is not None:
+            # live mode: the tree size that buys the most expected tokens (1 + the sum of path
+            # probabilities, section 3) per measured ms of this batch's verify and draft (budget.py)
+            best = torch.topk(pool_s[active], n - 1, dim=1).values.exp()
+            n = ch.choose(best, self.steps)
+        return rerank_batch(pool_t, pool_p, pool_s, root, n - 1, self.depth)
+
+    def _grow_static(self, hid, logp, ctx, view, root, active):
+        """EAGLE-1's static tree, or a chain: the same sibling ranks below every root."""
+        head, dev = self.head, hid.device
+        b = hid.shape[0]
+        toks, parents = [root[:, None]], [-1]
+        front_h, front_lp, visible = hid[:, None], logp[:, None], None
+        prev_first, first = 0, 1  # tree index of the first node of the previous level and of this one
+        for d, level in enumerate(self.levels[: self.depth]):
+            # choices are ordered by depth, so path index p is tree node p + 1 (-1: the root)
+            par = torch.tensor([p + 1 - prev_first for p, _ in level], device=dev)  # parent within the fed level
+            ranks = torch.tensor([r for _, r in level], device=dev)
+            top = torch.topk(front_lp, int(ranks.max()) + 1, dim=-1).indices     # [B, fed, r]
+            toks.append(head.to_target_ids(top[:, par, ranks]))
+            parents += [p + 1 for p, _ in level]
+            prev_first, first = first, first + len(level)
+            if d + 1 >= min(self.depth, len(self.levels)):
+                break
+            eye = torch.eye(len(level), dtype=torch.bool, device=dev)
+            visible = eye if visible is None else torch.cat([visible[par], eye], 1)
+            front_h, front_lp = self._head_step(toks[-1], front_h[:, par], ctx, d, visible.expand(b, -1, -1), view)
+        tokens = torch.cat(toks, 1)
+        par_t = torch.tensor(parents, dtype=torch.long, device=dev).expand(b, -1)
+        depth, anc = batch_trees(par_t, self.depth)
+        return tokens, par_t, depth, anc, None
+
+    # -- verify (section 3) --------------------------------------------------------------------
+    def _forward(self, tokens, depth, anc, seq_len):
+        """Every row's tree in one target forward: node i at slot seq_len + i, position seq_len +
+        depth (nodes past the context limit are verified, never emitted: clamped)."""
+        b, n = tokens.shape
+        dev = tokens.device
+        q_pos = seq_len[:, None] + depth
+        view = self._view(n)
+        c = self.cache
+        c.slots, c.view = seq_len[:, None] + torch.arange(n, device=dev), view
+        k_pos = torch.arange(view, device=dev).expand(b, view).scatter(1, c.slots, q_pos)
+        mask = self.run.masks(lambda win: windowed(context_and_tree(seq_len, anc, view), q_pos, k_pos, win))
+        return self.run.body_forward(tokens, q_pos.clamp(max=self.run.max_positions - 1), mask, c, self.seen, self.layers)
+
+    def commit_fn(self, tokens, depth, path, accepted, bonus, feats, seq_len, root, n_new, new_features, active):
+        """The accepted KV into place, per row, and each row's next state; idle rows stay where
+        they are. Returns (seq_len, root, n_new, new_tokens, new_features, readout)."""
+        w = path.shape[1]
+        if w > 1:
+            self.cache.commit(seq_len[:, None] + path, seq_len[:, None] + torch.arange(w, device=path.device))
+            col = torch.arange(w, device=path.device)[None]
+            new_tokens = torch.where(col == accepted[:, None], bonus[:, None], torch.cat([tokens.gather(1, path[:, 1:]), bonus[:, None]], 1))
+            new_features = feats.gather(1, path[:, :, None].expand(-1, -1, feats.shape[-1])).to(new_features.dtype)
+            n_new = torch.where(active, accepted + 1, n_new)
+        else:
+            new_tokens = bonus[:, None]
+        seq_len = torch.where(active, seq_len + accepted + 1, seq_len)
+        root = torch.where(active, bonus, root)
+        readout = torch.cat([accepted[:, None], depth[:, -1:], new_tokens], 1)  # nodes are in depth order
+        return seq_len, root, n_new, new_tokens, new_features, readout
+
+    def verify_fn(self, tokens, parents, depth, anc, seq_len, root, n_new, new_features, active):
+        """Greedy verification with no host step: all rows through lm_head, accept, commit. Captured in fixed mode."""
+        hidden, feats = self._forward(tokens, depth, anc, seq_len)
+        b, n = tokens.shape
+        argmax = self.run.logits(hidden.reshape(b * n, -1)).argmax(-1).view(b, n)
+        path, accepted, bonus = accept_greedy_batch(tokens, parents, depth, anc, argmax, self.width if self.speculative else 1)
+        return (path,) + self.commit_fn(tokens, depth, path, accepted, bonus, feats, seq_len, root, n_new, new_features, active)
+
+    def _verify_host(self, tokens, parents, depth, anc, scores):
+        """Verification with host-side steps: the target's processors on each node with its own
+        history (sampling.TargetProcessors.tree_scores), lossless sampling (the keyed rule), and
+        greedy acceptance's two-pass lm_head: children are checked against their parent's argmax,
+        so only internal nodes need logits up front, and a leaf only when the path ends there. On a
+        small model lm_head is a large share of a verify, and about half a tree's nodes are leaves;
+        where extra rows are nearly free (measured: `one_product`) all rows go in one product."""
+        hidden, feats = self._forward(tokens, depth, anc, self.seq_len)
+        b, n = tokens.shape
+        dev, w = tokens.device, (self.width if self.speculative else 1)
+        two_pass = not self.one_product and n > 1
+        internal = torch.zeros(b, n, dtype=torch.bool, device=dev)
+        if n > 1:
+            internal.scatter_(1, parents[:, 1:], True)
+        plain = torch.tensor([s is not None and not s.host_side for s in self.slots], device=dev)
+        need = (internal if two_pass else torch.ones_like(internal)) & plain[:, None]
+        argmax = torch.full((b, n), -1, dtype=torch.long, device=dev)
+        idx = need.flatten().nonzero().flatten()
+        if idx.numel():
+            argmax.view(-1)[idx] = self.run.logits(hidden.reshape(b * n, -1)[idx]).argmax(-1)
+        sampled = {}
+        for i, s in enumerate(self.slots):
+            if s is None or not s.host_side:
+                continue
+            tree = row_tree(tokens, parents, depth, anc, scores, i)
+            nodes = internal[i].nonzero().flatten() if two_pass and not s.procs.sampling else None
+            logits = self._scored(s, hidden[i] if nodes is None else hidden[i, nodes], tree, nodes)
+            if s.procs.sampling:
+                u = position_uniforms(s.seed, len(s.tokens), w)  # the uniforms of this sequence's next output positions
+                sampled[i] = accept_sampling_keyed(tree, torch.softmax(logits.float(), -1), u)
+            elif nodes is None:
+                argmax[i] = logits.argmax(-1)
+            else:
+                argmax[i, nodes] = logits.argmax(-1)
+        path, accepted, bonus = accept_greedy_batch(tokens, parents, depth, anc, argmax, w)
+        if two_pass:  # paths that end at a leaf: one more lm_head row each
+            leaf = [i for i, v in enumerate(bonus.tolist()) if v < 0 and self.slots[i] is not None and i not in sampled]
+            if leaf:
+                rows = torch.tensor(leaf, device=dev)
+                last = path[rows, accepted[rows]]
+                for j, i in enumerate(leaf):
+                    s = self.slots[i]
+                    tree = row_tree(tokens, parents, depth, anc, scores, i) if s.host_side else None
+                    bonus[i] = self._scored(s, hidden[i, last[j : j + 1]], tree, last[j : j + 1]).argmax(-1)[0]
+        for i, (p, tok) in sampled.items():
+            path[i] = torch.tensor(p + [0] * (w - len(p)), device=dev)
+            accepted[i], bonus[i] = len(p) - 1, tok
+        return path, accepted, bonus, feats
+
+    def _scored(self, slot: Slot, hidden, tree, nodes):
+        logits = self.run.logits(hidden)
+        if slot.procs is not None and slot.procs.active:
+            hist = torch.tensor(slot.prompt + slot.tokens[:-1], dtype=torch.long, device=hidden.device)  # every token before the root
+            logits = slot.procs.tree_scores(logits, hist, tree, nodes)
+        return logits
+
+    # -- one cycle ---------------------------------------------------------------------------------
+    def _call(self, stage: str, fn, *args):
+        """Run a stage of the cycle: counted (opcount) if asked, captured ones falling back to
+        themselves uncaptured if capture fails (said once, recorded for compare)."""
+        try:
+            if self.counter is not None:
+                return self.counter.staged(stage, fn, *args)
+            if self.backend == "cuda-graphs":
+                torch.compiler.cudagraph_mark_step_begin()
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001
+            if not self.backend or fn not in (self._draft, self._verify):
+                raise
+            first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+            self.capture_failure = f"{type(e).__name__}: {first}" if first else type(e).__name__
+            warnings.warn(f"capture failed ({self.capture_failure}); running the cycle uncaptured", stacklevel=2)
+            eager = self.draft_fn if fn is self._draft else self.verify_fn
+            self.backend, self._draft, self._verify = None, self.draft_fn, self.verify_fn
+            return eager(*args)
+
+    def read_back(self, readout: torch.Tensor) -> list[list[int]]:
+        """(accepted, deepest depth, new tokens...) per row: the cycle's one designated host read."""
+        if self.counter is not None:
+            return self.counter.exempt(readout.tolist)
+        return readout.tolist()
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[int, list[int], int]]:
+        """One cycle for every row: draft, verify, accept, commit. Returns, per busy row, (row,
+        tokens it produced, draft tokens accepted), before stop handling."""
+        t0 = time.perf_counter()
+        b, dev = self.batch, self.run.device
+        if self.speculative:
+            tokens, parents, depth, anc, scores, self.head_len = self._call(
+                "draft", self._draft, self.new_tokens, self.new_features, self.head_len, self.n_new, self.root, self.active)
+        else:
+            tokens, scores = self.root[:, None], None
+            parents = torch.full((b, 1), -1, dtype=torch.long, device=dev)
+            depth = torch.zeros(b, 1, dtype=torch.long, device=dev)
+            anc = torch.ones(b, 1, 1, dtype=torch.bool, device=dev)
+        t1 = time.perf_counter()
+        n = tokens.shape[1]
+        state = (self.seq_len, self.root, self.n_new, self.new_features, self.active)
+        if self.one_product and not any(s is not None and s.host_side for s in self.slots):
+            path, *new = self._call("verify", self._verify, tokens, parents, depth, anc, *state)
+        else:
+            def host():
+                p, acc, bon, feats = self._verify_host(tokens, parents, depth, anc, scores)
+                return (p,) + self.commit_fn(tokens, depth, p, acc, bon, feats, *state)
+            path, *new = self._call("verify", host)
+        if self.backend == "cuda-graphs":  # a replay's outputs are overwritten by the next replay
+            path, new = path.clone(), [t.clone() if t is not None else None for t in new]
+        self.seq_len, self.root, self.n_new, self.new_tokens, self.new_features, readout = new
+        values = self.read_back(readout)
+        t2 = time.perf_counter()
+        self.last = {"tree": n, "draft_s": t1 - t0, "verify_s": t2 - t1, "busy": self.busy, "batch": b}
+        out = []
+        for i, s in enumerate(self.slots):
+            if s is None:
+                continue
+            a, deepest = values[i][0], values[i][1]
+            self.host_len[i] += a + 1
+            s.summary.record_cycle(a, n, deepest, t1 - t0, t2 - t1)
+            out.append((i, values[i][2 : 3 + a], a))
+        if scores is not None and (self.chooser is not None or self.record_confidence):
+            self._observe(scores, path, [v[0] for v in values], t1 - t0, t2 - t1)
+        return out
+
+    def _observe(self, scores, path, accepted: list[int], draft_s: float, verify_s: float) -> None:
+        """Calibration evidence (section 3): each drafted node's path probability and whether it
+        was accepted, for the chooser's per-bin correction and compare's calibration table."""
+        busy = [i for i, s in enumerate(self.slots) if s is not None]
+        n = scores.shape[1]
+        on = torch.zeros(len(busy), n, dtype=torch.float, device=scores.device)
+        for j, i in enumerate(busy):
+            on[j].index_fill_(0, path[i, : accepted[i] + 1], 1.0)
+        probs = scores[busy, 1:].exp()
+        if self.chooser is not None:
+            self.chooser.observe(probs, on[:, 1:], 1000 * draft_s, 1000 * verify_s, self.steps, sum(accepted[i] + 1 for i in busy))
+        if self.record_confidence:
+            for j, i in enumerate(busy):
+                self.slots[i].summary.record_confidence(probs[j], on[j, 1:])
+
+
+# -- the engine: one loop over a queue of requests ---------------------------------------------------
+
+class Engine:
+    """EAGLE-2 decoding of a queue of requests with `batch` rows (continuous batching); `stream` is
+    one request (chat), `run` a queue (prompt files, compare). `graph`/`compile`: fixed mode, and
+    its torch.compile backend ("inductor", "aot_eager", "cuda-graphs"); else live mode."""
+
+    def __init__(self, model, head, tokenizer=None, tree: TreeSettings | None = None, costs=None, *, batch: int = 1,
+                 record_confidence: bool = False, graph: bool = False, compile: str | None = None, batch_costs=None):
+        self.runner = run = TargetRunner(model)
+        self.head, self.tokenizer, self.batch = head, tokenizer, max(1, batch)
+        self.tree = tree or TreeSettings.for_device(run.device, run.dtype)
+        self.tree.validate()
+        self.graph = graph or compile is not None
+        self.compile = compile
+        self.record_confidence = record_confidence
+        if costs is None and run.device.type == "cpu" and head is not None:
+            from .costs import load_or_measure
+
+            costs = load_or_measure(model, head)  # cached per machine, model, dtype and threads
+        self.costs = costs
+        # Greedy acceptance's lm_head plan, from this machine's measured costs: every tree row in
+        # one product where that costs no more than internal rows first (a GPU; cheap rows).
+        rows = self.batch * (self.tree.total_tokens if head is not None else 1)
+        self.one_product = self.graph or run.device.type != "cpu" or costs is None or costs.rows_are_cheap(rows)
+        self.chooser = None  # the per-cycle budget, kept across runs: a chat's later turns use what earlier ones measured
+        if head is not None and not self.graph and self.tree.budget == "auto" and self.tree.shape == "dynamic":
+            if costs is None:
+                raise ValueError("budget='auto' needs measured costs (costs.load_or_measure)")
+            k = self.tree.top_k
+            self.chooser = BudgetChooser(costs, self.tree.total_tokens, costs.draft_step_ms(k), batch_costs=batch_costs,
+                                         step_at=lambda b: costs.draft_step_ms(k * b))
+        self.cycle: Cycle | None = None
+        self.eos_ids = None
+        self.counter = None
+        self.stats = {"cycles": 0, "plain_from_cycle": None, "tree_sizes": {}}
+
+    @property
+    def capture_failure(self):
+        return self.cycle.capture_failure if self.cycle is not None else None
+
+    @property
+    def lm_head_in_one_product(self) -> bool:
+        return self.one_product
+
+    def label(self) -> str:
+        """What each cycle verifies, in a few words ("trees of up to 6 nodes (chosen per cycle)")."""
+        if self.head is None:
+            return "plain decoding"
+        n = self.tree.total_tokens
+        return f"trees of up to {n} nodes (chosen per cycle)" if self.chooser is not None else f"{self.tree.shape} trees of {n} nodes"
+
+    def _cycle_for(self, capacity: int) -> Cycle:
+        c = self.cycle
+        if c is None or c.batch != self.batch:
+            failed = c is not None and c.capture_failure  # a failed capture is not tried again
+            c = self.cycle = Cycle(self.runner, self.head, self.tree, self.batch, capacity, fixed=self.graph,
+                                   backend=None if failed else self.compile)
+        c.ensure_capacity(capacity)
+        c.chooser, c.one_product, c.record_confidence, c.counter = self.chooser, self.one_product, self.record_confidence, self.counter
+        c.reset()
+        if self.chooser is not None:
+            self.chooser.start_run(c.batch)
+        return c
+
+    def _run(self, queue) -> Iterator[tuple[object, object, list[int] | None]]:
+        """Decode every request of `queue` (a deque the caller may extend meanwhile). Yields
+        (key, StepEvent, None) as tokens come and (key, Summary, tokens) as each request ends."""
+        run = self.runner
+        if self.eos_ids is None:
+            self.eos_ids = model_eos_ids(run.model, self.tokenizer)  # once: a tokenizer's vocabulary is slow to read
+        longest = max((len(r.ids) + r.gen.max_new_tokens for r in queue), default=64)
+        cycle = self._cycle_for(min(run.max_positions, longest))
+
+        def finish(b: int):
+            s = cycle.release(b)
+            s.summary.finish(s.stop, time.perf_counter() - s.started)
+            return s.key, s.summary, s.tokens
+
+        with cycle.session():
+            while queue or cycle.busy:
+                for b in cycle.free:
+                    if not queue:
+                        break
+                    req = queue.popleft()
+                    eos = set(req.gen.eos_token_ids) if req.gen.eos_token_ids is not None else self.eos_ids
+                    stop = StopChecker(req.gen, self.tokenizer, eos, run.max_positions, len(req.ids))
+                    summary = Summary(prompt_tokens=len(req.ids))
+                    slot = new_slot(req.key, req.gen, stop, summary, run.model, req.ids, eos)
+                    if stop.done:  # no room at all: nothing to generate
+                        summary.finish(stop, 0.0)
+                        yield req.key, summary, []
+                        continue
+                    t0 = time.perf_counter()
+                    root = cycle.admit(b, req.ids, slot, pick_fn(slot))
+                    summary.target_forwards, summary.prefill_s = 1, time.perf_counter() - t0
+                    emitted = stop.push([root])
+                    slot.tokens.extend(emitted)
+                    yield req.key, StepEvent(emitted, accepted=0, tree_size=1, draft_s=0.0, verify_s=summary.prefill_s), None
+                    if stop.done:
+                        yield finish(b)
+                if not cycle.busy:
+                    continue
+                if not queue and cycle.batch > 1 and cycle.busy <= cycle.batch // 2:
+                    self._compact(cycle)
+                rows = cycle.step()
+                self.stats["cycles"] += 1
+                n = cycle.last["tree"]
+                self.stats["tree_sizes"][n] = self.stats["tree_sizes"].get(n, 0) + 1
+                if self.chooser is not None and cycle.speculative and not self.chooser.drafting_pays:
+                    cycle.speculative = False  # measured: drafting does not pay here (a useless head costs little)
+                    self.stats["plain_from_cycle"] = self.stats["cycles"]
+                for b, toks, accepted in rows:
+                    s = cycle.slots[b]
+                    emitted = s.stop.push(toks)
+                    s.tokens.extend(emitted)
+                    yield s.key, StepEvent(emitted, accepted=accepted, tree_size=n, draft_s=cycle.last["draft_s"],
+                                           verify_s=cycle.last["verify_s"]), None
+                    if s.stop.done:
+                        yield finish(b)
+
+    def _compact(self, cycle: Cycle) -> None:
+        """Drop idle rows once no prompt waits for them: every row costs a row of every product.
+        Fixed mode keeps a power-of-two batch (one capture per batch bucket)."""
+        keep = [i for i, s in enumerate(cycle.slots) if s is not None]
+        if cycle.fixed:
+            size = bucket(len(keep), least=1)
+            if size >= cycle.batch:
+                return
+            keep += [i for i, s in enumerate(cycle.slots) if s is None][: size - len(keep)]
+        cycle.compact(sorted(keep))
+        if self.chooser is not None:
+            self.chooser.batch = cycle.batch
+
+    @torch.no_grad()
+    def run(self, queue, on_done) -> None:
+        """Decode a queue of `Request`s; `on_done(key, tokens, summary)` as each ends (it may extend the queue)."""
+        for key, ev, tokens in self._run(queue):
+            if tokens is not None:
+                on_done(key, tokens, ev)
+
+    @torch.no_grad()
+    def stream(self, prompt_ids, gen: GenerationSettings | None = None) -> Iterator[StepEvent | Summary]:
+        """One request: a StepEvent per cycle (the first is the prefill's token), then the Summary."""
+        ids = torch.as_tensor(prompt_ids).view(-1).tolist()
+        for _, ev, _ in self._run(deque([Request(0, ids, gen or GenerationSettings())])):
+            yield ev
+
+    def generate(self, prompt_ids, gen: GenerationSettings | None = None) -> tuple[list[int], Summary]:
+        return collect(self.stream(prompt_ids, gen))
+
+
+# -- how many rows a prompt file gets ----------------------------------------------------------------
+
+def prior_expected(head, n_max: int) -> list[float]:
+    """Expected tokens per cycle for trees of 1 .. n_max nodes before any cycle is seen: a chain
+    from the head's own evaluation (metadata `eval.acceptance_by_depth`), 1 for a random head, and
+    a cautious guess otherwise. Only the batch-size plan uses it; cycles then choose trees by the
+    draft's calibrated confidence."""
+    meta = getattr(head, "metadata", None) or {}
+    if head is None or meta.get("random"):
+        return [1.0] * n_max
+    rates = (meta.get("eval") or {}).get("acceptance_by_depth") or [0.5, 0.3, 0.2]
+    out, reach = [1.0], 1.0
+    for n in range(2, n_max + 1):
+        if n - 1 <= len(rates):
+            reach *= rates[n - 2]
+            out.append(out[-1] + reach)
+        else:
+            out.append(out[-1] + 0.02)  # extra siblings: little, but not nothing
+    return out
+
+
+def plan(costs, n_prompts: int, prior: list[float], batch: int | None = None, tree: int | None = None):
+    """(batch size, tree size, estimated tok/s table {(B, N): tok/s}) maximising tokens per second
+    over the measured batch sizes up to the number of prompts (`batch` pins B) and trees 1 (plain)
+    .. len(prior) (`tree` pins N): tok/s = B x E(N) / (verify(B, N) + draft(B) if N > 1)."""
+    sizes = [b for b in costs.batches if b <= max(1, n_prompts)] or [1]
+    if batch is not None:
+        sizes = [batch]
+    trees = [tree] if tree is not None else list(range(1, len(prior) + 1))
+    table = {}
+    for b in sizes:
+        for n in trees:
+            ms = costs.verify(b, n) + (costs.draft(b) if n > 1 else 0.0)
+            table[(b, n)] = 1000.0 * b * prior[min(n, len(prior)) - 1] / ms
+    best = max(table, key=table.get)
+    return best[0], best[1], table
