@@ -173,7 +173,7 @@ def test_greedy_identity_with_models_generate(greedy_env, config):
         assert sum(c["ref"] != c["plain"] for c in cases) >= 4  # the model's config changes what generate emits
         decoders = {"dynamic": Eagle2Decoder(model, head, tree=TREE), "dynamic-two-pass": Eagle2Decoder(model, head, tree=TREE),
                     "graph": Eagle2Decoder(model, head, tree=TREE, graph=True)}
-        decoders["dynamic"]._one_product, decoders["dynamic-two-pass"]._one_product = True, False
+        decoders["dynamic"].one_product, decoders["dynamic-two-pass"].one_product = True, False  # the lm_head plans
         for name, dec in decoders.items():
             hist, bad = [], []
             for c in cases:
