@@ -132,6 +132,37 @@ def test_budget_chooser_learns_costs_and_calibration_from_cycles():
     assert frozen.verify_table().tolist() == pytest.approx(prof.verify_table(8).tolist()) and frozen.step_cost() == 2.0
 
 
+def test_chooser_keeps_costs_per_batch_size_and_serves_every_row():
+    """One chooser serves every batch size (continuous batching shrinks the batch): each size has
+    its own cost table (the profile's B x N rows until cycles of that size are timed), a run's
+    plain-or-draft evidence starts afresh with `start_run`, and [rows, m] inputs are each row's
+    best path probabilities, averaged (one tree size serves the whole batch)."""
+    from eagle2_core.budget import mean_row
+
+    prof = fake_profile({1: 10.0, 2: 10.5, 4: 20.0, 8: 24.0, 16: 40.0}, draft=2.0)
+    ch = BudgetChooser(prof, 8, step_ms=2.0, prior_cycles=4)
+    one = ch.verify_table().clone()
+    ch.start_run(2)
+    assert ch.verify_table().tolist() == pytest.approx(prof.verify_table(16)[1::2][:8].tolist())  # n rows for each of 2
+    for _ in range(12):
+        ch.observe(torch.full((2, 1), 0.5), torch.zeros(2, 1), draft_ms=8.0, verify_ms=50.0, steps=2)
+    assert ch.verify_table()[1].item() == pytest.approx(50.0) and ch.obs_n[1].item() == 12
+    assert ch.run_tokens == 24  # nothing accepted: each row's bonus token only
+    assert not ch.drafting_pays  # 2 tokens per 58 ms against 2 rows per profile root verify
+    ch.start_run(1)
+    assert ch.drafting_pays and torch.equal(ch.verify_table(), one) and ch.obs_n.sum() == 0  # batch 1: untouched
+    ch.start_run(2)
+    assert ch.obs_n[1].item() == 12  # batch 2's timings kept across runs
+    fresh = BudgetChooser(prof, 8, step_ms=2.0)  # no calibration evidence: confidences stand
+    rows = torch.tensor([[0.9, 0.05, 0.6, 0.0], [0.2, 0.1, 0.7, 0.3]], dtype=torch.float64)
+    assert mean_row(rows).tolist() == pytest.approx([0.8, 0.45, 0.125, 0.05])  # each row sorted, then averaged
+    assert fresh.choose(rows, steps=2) == choose_budget(mean_row(rows), fresh.verify_table(), fresh.draft_cost(2))
+    assert fresh.choose(rows[:1], steps=2) == fresh.choose(rows[0], steps=2)
+    front = torch.log(torch.tensor([[0.6, 0.3], [0.6, 0.3]]))
+    pool = torch.log(torch.tensor([[0.6, 0.3, 0.1], [0.6, 0.3, 0.1]]))
+    assert fresh.worth_expanding(pool, front, steps=1, remaining=2) == fresh.worth_expanding(pool[0], front[0], steps=1, remaining=2)
+
+
 def test_depth_is_chosen_per_cycle_from_confidence_and_step_cost():
     """Drafting deeper pays when the front is confident and steps are cheap against rows."""
     prof = fake_profile({1: 10.0, 2: 10.2, 8: 11.0}, draft=1.0)   # rows nearly free

@@ -96,38 +96,46 @@ def test_greedy_identity_with_eagle3_head(env3, shape):
     assert hist[0] > 0, f"no cycle rejected every draft token: {hist}"
 
 
-def test_drafted_tokens_stay_in_the_draft_vocabulary(env3):
+def test_drafted_tokens_stay_in_the_draft_vocabulary(env3, monkeypatch):
     """Every tree node below the root is a target id reached through d2t."""
-    from eagle2_core.drafter import Drafter
+    import eagle2_core.engine as engine
 
     seen = set()
-    real = Drafter.draft
+    real = engine.Cycle.draft_fn
 
     def spy(self, *a, **k):
-        tree = real(self, *a, **k)
-        seen.update(tree.tokens[1:].tolist())
-        return tree
+        out = real(self, *a, **k)
+        seen.update(out[0][:, 1:].flatten().tolist())  # (tokens [B, N], parents, ...): node 0 is the root
+        return out
 
-    Drafter.draft = spy
-    try:
-        dec = Eagle2Decoder(env3["model"], env3["head"], tree=SHAPES["dynamic"])
-        for case in env3["cases"][:6]:
-            dec.generate(case["ids"], GenerationSettings(max_new_tokens=case["n"]))
-    finally:
-        Drafter.draft = real
+    monkeypatch.setattr(engine.Cycle, "draft_fn", spy)
+    dec = Eagle2Decoder(env3["model"], env3["head"], tree=SHAPES["dynamic"])
+    for case in env3["cases"][:6]:
+        dec.generate(case["ids"], GenerationSettings(max_new_tokens=case["n"]))
     assert seen and seen <= set(DRAFT_IDS)
 
 
 def test_the_head_reads_the_fused_feature_not_the_last_hidden_state(tiny_lm):
-    """Changing what enters layer L-3 changes the EAGLE-3 draft, proving the fused feature is wired in."""
+    """The engine's target forward (TargetRunner.body_forward on engine.KVCache, with the layer
+    hooks) returns the fused feature hidden_states[2, L//2, L-3], and changing what enters layer
+    L-3 changes the EAGLE-3 draft, proving the fused feature is wired in."""
+    from eagle2_core.engine import KVCache, num_cache_layers
+    from eagle2_core.tree import causal_rows, windowed
+
     model = tiny8(tiny_lm)
     head = tiny_eagle3_head(model, DRAFT_IDS)
     run = TargetRunner(model)
-    from eagle2_core.kvcache import TreeKVCache, num_cache_layers
-
     ids = torch.tensor([1, 2, 3, 4])
-    _, feats = run.forward_features(ids, torch.arange(4), None, TreeKVCache(num_cache_layers(model.config), 16), head.feature_layers)
-    assert feats.shape == (4, 3 * model.config.hidden_size)
+    pos = torch.arange(4)[None]
+    cache = KVCache(num_cache_layers(model.config), 1, 16)
+    cache.slots, cache.view = pos, 4
+    mask = run.masks(lambda w: windowed(causal_rows(pos, 4), pos, pos, w))
+    with torch.no_grad(), capture_layer_inputs(run.body, head.feature_layers) as seen:
+        _, feats = run.body_forward(ids[None], pos, mask, cache, seen, head.feature_layers)
+        ref = model(ids[None], output_hidden_states=True).hidden_states
+    assert feats.shape == (1, 4, 3 * model.config.hidden_size)
+    torch.testing.assert_close(feats, torch.cat([ref[k] for k in head.feature_layers], -1), rtol=1e-5, atol=1e-5)
+    feats = feats[0]
     a = head.draft_logits(head(ids[None], head.project(feats[None]), torch.arange(4)[None]))
     feats2 = feats.clone()
     feats2[:, -model.config.hidden_size:] += 1.0
