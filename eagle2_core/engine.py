@@ -225,6 +225,7 @@ class Cycle:
         self.record_confidence = False
         self.counter = None       # opcount.OpCounter while counting
         self.steps = 1            # head steps of the last draft (the absorb, then one per depth)
+        self.absorb = 1           # live mode: the widest row of new pairs (accepted + 1, from the read-back)
         self.last: dict = {}
         self.seen: dict = {}
         self.backend = backend if fixed else None
@@ -341,13 +342,16 @@ class Cycle:
         """Absorb every row's new pairs, then grow one tree per row. Returns the trees
         (tokens, parents, depth, ancestors, path scores), each [B, N], and the head's new length."""
         head, h, dev = self.head, self.hcache, new_tokens.device
+        if not self.fixed:  # live: the width actually accepted (the last read-back says), not depth + 1
+            new_tokens, new_features = new_tokens[:, : self.absorb], new_features[:, : self.absorb]
         b, w = new_tokens.shape
         dtype = head.fc.weight.dtype
         positions = head_len[:, None] + torch.arange(w, device=dev)
         view = self._view(w + self.depth * self.k)
         h.slots, h.view = positions, view
         out = head(new_tokens, head.project(new_features), positions, attention_mask=additive(causal_rows(positions, view), dtype), cache=h)
-        hid = out.gather(1, (n_new - 1)[:, None, None].expand(b, 1, out.shape[-1]))[:, 0]  # each row's root state
+        last = (n_new - 1).clamp(max=w - 1)  # an idle row may hold a wider stale count
+        hid = out.gather(1, last[:, None, None].expand(b, 1, out.shape[-1]))[:, 0]  # each row's root state
         ctx = head_len + n_new                  # the head's context after the absorb = the root's position
         head_len = torch.where(active, ctx, head_len)
         logp = torch.log_softmax(head.draft_logits(hid).float(), dim=-1)
@@ -401,7 +405,8 @@ class Cycle:
             pool_t.append(head.to_target_ids(child_ids).flatten(1))
             pool_p.append(front_idx.repeat_interleave(k, dim=1))
             pool_s.append(path)
-            expanded.append(torch.zeros(b, k * k, dtype=torch.bool, device=dev).scatter_(1, sel, True))
+            if not self.tree.rerank:
+                expanded.append(torch.zeros(b, k * k, dtype=torch.bool, device=dev).scatter_(1, sel, True))
             tokens, front_idx, front_s = pool_t[-1].gather(1, sel), size + sel, path.gather(1, sel)
             front_h = out_h.gather(1, parent[:, :, None].expand(-1, -1, out_h.shape[-1]))
             visible = torch.cat([visible.gather(1, parent[:, :, None].expand(-1, -1, m)), eye], 2)
@@ -530,6 +535,7 @@ class Cycle:
         for i, (p, tok) in sampled.items():
             path[i] = torch.tensor(p + [0] * (w - len(p)), device=dev)
             accepted[i], bonus[i] = len(p) - 1, tok
+        bonus.clamp_(min=0)  # idle rows (no slot) got no logits: keep their next root a valid id (never emitted)
         return path, accepted, bonus, feats
 
     def _scored(self, slot: Slot, hidden, tree, nodes):
@@ -593,6 +599,7 @@ class Cycle:
             path, new = path.clone(), [t.clone() if t is not None else None for t in new]
         self.seq_len, self.root, self.n_new, self.new_tokens, self.new_features, readout = new
         values = self.read_back(readout)
+        self.absorb = 1 + max(v[0] for v, s in zip(values, self.slots) if s is not None)
         t2 = time.perf_counter()
         self.last = {"tree": n, "draft_s": t1 - t0, "verify_s": t2 - t1, "busy": self.busy, "batch": b}
         out = []
