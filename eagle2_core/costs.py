@@ -364,7 +364,7 @@ def load_or_measure(model, head, remeasure: bool = False) -> CostProfile:
     return prof
 
 
-# -- batches: verify ms for B sequences x N tree nodes, draft ms for B trees (batched.py) -------
+# -- batches: verify ms for B sequences x N tree nodes, draft ms for B trees (engine.Cycle) ---------
 # A prompt file can run B sequences per cycle. Whether rows of other sequences are cheaper than
 # rows of a bigger tree (and whether drafting pays at all at batch B) is again a property of the
 # machine, so the batched cycle itself is timed on a grid of (B, N) and cached like the profile.
