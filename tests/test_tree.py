@@ -359,14 +359,17 @@ def brute_logp(head, ctx_tokens, ctx_feats, path_tokens):
     return torch.log_softmax(head.draft_logits(h_last[None]).float(), -1)[0]
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["live", "fixed"])
 @pytest.mark.parametrize("shape", ["dynamic", "static", "chain"])
-def test_draft_children_are_head_top_ranks(random_head, shape, monkeypatch):
+def test_draft_children_are_head_top_ranks(random_head, shape, fixed, monkeypatch):
     """engine.Cycle.draft_fn on two rows with different contexts, over three cycles: children of
     every node are the head's top-ranked tokens there (dynamic: a prefix of the ranking;
     static/chain: the ranks the shape names), recomputed without any KV cache or tree mask; for
     dynamic trees every candidate's path score handed to rerank equals the brute-force sum of
     log-probs along its path; the head's context grows by the absorbed pairs only (tree rows and
-    the absorb's padding rows are not context), and an idle row's context stays where it is."""
+    the absorb's padding rows are not context), and an idle row's context stays where it is.
+    Live mode attends over the longest row; fixed mode over the whole capacity bucket, whose
+    stale slots must stay hidden."""
     import eagle2_core.engine as engine
     from eagle2_core.target import TargetRunner
     from eagle2_core.tree import row_tree
@@ -381,18 +384,20 @@ def test_draft_children_are_head_top_ranks(random_head, shape, monkeypatch):
     monkeypatch.setattr(engine, "rerank_batch", spy_rerank)
     model, head = random_head
     settings = TreeSettings(shape=shape, total_tokens=10 if shape != "chain" else 4, depth=3, top_k=3)
-    cycle = engine.Cycle(TargetRunner(model), head, settings, batch=2, capacity=8)
+    cycle = engine.Cycle(TargetRunner(model), head, settings, batch=2, capacity=8, fixed=fixed)
     w = cycle.width
     assert w == settings.depth + 1
     g = torch.Generator().manual_seed(0)
     hidden = head.spec.hidden_size
     ctx_t, ctx_f = [[], []], [[], []]
     head_len = torch.zeros(2, dtype=torch.long)
-    # pairs absorbed per cycle and row (at most the absorb width), as decoding does; the last
-    # cycle leaves row 1 idle
-    plan = [([4, 1], [True, True]), ([2, 3], [True, True]), ([1, 4], [True, False])]
-    for cycle_i, (n_new, active) in enumerate(plan):
-        # the absorb's fixed width: rows past a row's n_new are padding (junk here) that must not matter
+    # pairs absorbed per cycle and row (at most depth + 1), as decoding does, and the absorb's
+    # width: the fixed width (fixed mode), or the busy rows' widest (live mode: the last read-back
+    # says). Columns past a row's n_new are padding (junk here) that must not matter. The last
+    # cycle leaves row 1 idle with a stale n_new wider than the absorb.
+    plan = [([4, 1], [True, True], w), ([2, 3], [True, True], 3), ([1, 4], [True, False], 1)]
+    for cycle_i, (n_new, active, absorb) in enumerate(plan):
+        cycle.absorb = absorb  # (fixed mode always absorbs the full width)
         new_t = torch.randint(0, 16, (2, w), generator=g)
         new_f = torch.randn(2, w, hidden, generator=g)
         n_new_t, active_t = torch.tensor(n_new), torch.tensor(active)
