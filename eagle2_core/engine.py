@@ -578,8 +578,10 @@ class Cycle:
         t0 = time.perf_counter()
         b, dev = self.batch, self.run.device
         if self.speculative:
+            # the head's cache is allocated at its first write, never inside a capture (a one-token prompt absorbs nothing at admission)
+            draft = self._draft if self.hcache.layers[0].is_initialized else self.draft_fn
             tokens, parents, depth, anc, scores, self.head_len = self._call(
-                "draft", self._draft, self.new_tokens, self.new_features, self.head_len, self.n_new, self.root, self.active)
+                "draft", draft, self.new_tokens, self.new_features, self.head_len, self.n_new, self.root, self.active)
         else:
             tokens, scores = self.root[:, None], None
             parents = torch.full((b, 1), -1, dtype=torch.long, device=dev)
