@@ -99,6 +99,9 @@ class KVCache(Cache):
         for layer in self.layers:
             if layer.is_initialized:
                 layer.keys, layer.values = fn(layer.keys), fn(layer.values)
+                if self.static:  # new buffers: a CUDA-graph replay reads them in place, not copied in
+                    torch._dynamo.mark_static_address(layer.keys)
+                    torch._dynamo.mark_static_address(layer.values)
 
     def commit(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Per row b, move slots src[b] to dst[b] (the accepted path into place; the rest is
@@ -121,6 +124,11 @@ class KVCache(Cache):
         """Keep only these rows, in this order: a smaller batch once rows go idle."""
         self._each(lambda t: t.index_select(0, rows))
         self.batch = int(rows.numel())
+
+    def widen(self, batch: int) -> None:
+        """Idle rows appended up to `batch` (a new run after a compacted one)."""
+        self._each(lambda t: torch.cat([t, t.new_zeros(batch - t.shape[0], *t.shape[1:])]))
+        self.batch = batch
 
 
 def num_cache_layers(config) -> int:
@@ -331,6 +339,21 @@ class Cycle:
         self.slots = [self.slots[i] for i in keep]
         self.host_len = [self.host_len[i] for i in keep]
         self.batch = len(keep)
+
+    def widen(self, batch: int) -> None:
+        """Back to `batch` rows for a new run (after `compact`): the shapes captured before stay valid."""
+        extra = batch - self.batch
+        for c in (self.cache, self.hcache):
+            if c is not None:
+                c.widen(batch)
+        for name in ("seq_len", "root", "head_len", "n_new", "active", "new_tokens", "new_features"):
+            t = getattr(self, name)
+            if t is not None:
+                fill = (t.new_ones if name == "n_new" else t.new_zeros)(extra, *t.shape[1:])  # n_new >= 1: see __init__
+                setattr(self, name, torch.cat([t, fill]))
+        self.slots += [None] * extra
+        self.host_len += [0] * extra
+        self.batch = batch
 
     def _view(self, extra: int) -> int:
         """Slots attention reads: the whole bucket in fixed mode (one shape), else the longest live
@@ -686,10 +709,10 @@ class Engine:
 
     def _cycle_for(self, capacity: int) -> Cycle:
         c = self.cycle
-        if c is None or c.batch != self.batch:
-            failed = c is not None and c.capture_failure  # a failed capture is not tried again
-            c = self.cycle = Cycle(self.runner, self.head, self.tree, self.batch, capacity, fixed=self.graph,
-                                   backend=None if failed else self.compile)
+        if c is None:
+            c = self.cycle = Cycle(self.runner, self.head, self.tree, self.batch, capacity, fixed=self.graph, backend=self.compile)
+        elif c.batch < self.batch:
+            c.widen(self.batch)  # the same cycle, so its captured functions serve this run too
         c.ensure_capacity(capacity)
         c.chooser, c.one_product, c.record_confidence, c.counter = self.chooser, self.one_product, self.record_confidence, self.counter
         c.reset()

@@ -186,11 +186,14 @@ def test_captured_cycle_is_identical_and_compiles_once_per_shape(tiny_lm, fitted
     print(f"\n[capture] llama: shapes {sorted(shapes)}, {graphs} graphs")
     assert {(3, 128), (1, 128), (1, 64)} <= shapes and graphs == 2 * len(shapes)  # draft and verify, once per shape
     ptrs = [layer.keys.data_ptr() for layer in engines[1].cycle.cache.layers]
+    cycle3 = engines[3].cycle
+    assert cycle3.batch < 3  # compacted at the end of the queue
     with torch._dynamo.config.patch(error_on_recompile=True):
         for b in (3, 1):
             assert decode_all(b), b
     assert counters["stats"]["unique_graphs"] == graphs and engines[3].cycle.backend == engines[1].cycle.backend == "aot_eager"
     assert [layer.keys.data_ptr() for layer in engines[1].cycle.cache.layers] == ptrs  # B = 1 keeps its cycle: captured inputs never move
+    assert engines[3].cycle is cycle3  # a compacted cycle is widened again for the next run, not rebuilt
 
 
 # -- per-row settings: processors, stop strings -------------------------------------------------
