@@ -81,7 +81,7 @@ def tune(batch, json_path, common):
     if prof.products:
         data.update(data_packed)
     if batch:
-        from eagle2_core.engine import plan, prior_expected
+        from eagle2_core.costs import plan, prior_expected
         from eagle2_core.costs import BATCH_TREES, load_or_measure_batch
 
         depth, top_k = common.depth or 3, common.tree_top_k or 2

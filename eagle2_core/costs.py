@@ -486,3 +486,41 @@ def load_or_measure_batch(model, head, depth: int = 3, top_k: int = 2, remeasure
     key = batch_key(model, head, depth, top_k)
     return _cached(_cache_path(key).replace(".json", "-batch.json"), key, BatchCosts.from_json,
                    lambda: measure_batch_costs(model, head, depth, top_k), "batch cost table", remeasure)[0]
+
+
+# -- how many rows a prompt file gets: the batch size from the grid above ---------------------------
+
+def prior_expected(head, n_max: int) -> list[float]:
+    """Expected tokens per cycle for trees of 1 .. n_max nodes before any cycle is seen: a chain
+    from the head's own evaluation (metadata `eval.acceptance_by_depth`), 1 for a random head, and
+    a cautious guess otherwise. Only the batch-size plan uses it; cycles then choose trees by the
+    draft's calibrated confidence."""
+    meta = getattr(head, "metadata", None) or {}
+    if head is None or meta.get("random"):
+        return [1.0] * n_max
+    rates = (meta.get("eval") or {}).get("acceptance_by_depth") or [0.5, 0.3, 0.2]
+    out, reach = [1.0], 1.0
+    for n in range(2, n_max + 1):
+        if n - 1 <= len(rates):
+            reach *= rates[n - 2]
+            out.append(out[-1] + reach)
+        else:
+            out.append(out[-1] + 0.02)  # extra siblings: little, but not nothing
+    return out
+
+
+def plan(costs, n_prompts: int, prior: list[float], batch: int | None = None, tree: int | None = None):
+    """(batch size, tree size, estimated tok/s table {(B, N): tok/s}) maximising tokens per second
+    over the measured batch sizes up to the number of prompts (`batch` pins B) and trees 1 (plain)
+    .. len(prior) (`tree` pins N): tok/s = B x E(N) / (verify(B, N) + draft(B) if N > 1)."""
+    sizes = [b for b in costs.batches if b <= max(1, n_prompts)] or [1]
+    if batch is not None:
+        sizes = [batch]
+    trees = [tree] if tree is not None else list(range(1, len(prior) + 1))
+    table = {}
+    for b in sizes:
+        for n in trees:
+            ms = costs.verify(b, n) + (costs.draft(b) if n > 1 else 0.0)
+            table[(b, n)] = 1000.0 * b * prior[min(n, len(prior)) - 1] / ms
+    best = max(table, key=table.get)
+    return best[0], best[1], table

@@ -70,10 +70,14 @@ class KVLayer(CacheLayerMixin):
             self.keys[o.row].index_copy_(1, o.slots, key_states[0])
             self.values[o.row].index_copy_(1, o.slots, value_states[0])
             return self.keys[o.row : o.row + 1, :, : o.view], self.values[o.row : o.row + 1, :, : o.view]
-        rows = torch.arange(o.batch, device=self.device)[:, None]
-        # advanced indices around a slice put their dims first: [B, n, heads, dim]
-        self.keys[rows, :, o.slots] = key_states.transpose(1, 2)
-        self.values[rows, :, o.slots] = value_states.transpose(1, 2)
+        if o.batch == 1:  # one row: a plain index_copy_ (cheaper than an advanced-index put)
+            self.keys[0].index_copy_(1, o.slots[0], key_states[0])
+            self.values[0].index_copy_(1, o.slots[0], value_states[0])
+        else:
+            rows = torch.arange(o.batch, device=self.device)[:, None]
+            # advanced indices around a slice put their dims first: [B, n, heads, dim]
+            self.keys[rows, :, o.slots] = key_states.transpose(1, 2)
+            self.values[rows, :, o.slots] = value_states.transpose(1, 2)
         return self.keys[:, :, : o.view], self.values[:, :, : o.view]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -411,16 +415,17 @@ class Cycle:
         eye = torch.eye(k, dtype=torch.bool, device=dev).expand(b, k, k)
         visible, size = eye, k
         if ch is not None:
-            ch.note_children(scores[active])
+            busy = (lambda t: t) if self.busy == b else (lambda t: t[active])  # the chooser sees busy rows only
+            ch.note_children(busy(scores))
         for d in range(1, self.depth):
             # live mode: the depth too is chosen per cycle, where deeper levels stop paying (budget.py)
-            if ch is not None and not ch.worth_expanding(torch.cat(pool_s, 1)[active], front_s[active], self.steps, self.depth - d):
+            if ch is not None and not ch.worth_expanding(busy(torch.cat(pool_s, 1)), busy(front_s), self.steps, self.depth - d):
                 break
             m = visible.shape[2]
             out_h, out_lp = self._head_step(tokens, front_h, ctx, d - 1, visible, view)
             child_lp, child_ids = torch.topk(out_lp, k, dim=-1)            # [B, k, k]
             if ch is not None:
-                ch.note_children(child_lp[active].flatten(0, 1))
+                ch.note_children(busy(child_lp).flatten(0, 1))
             path = (front_s[:, :, None] + child_lp).flatten(1)            # path score = product of confidences
             key = path if self.tree.expand_by == "path" else child_lp.flatten(1)  # "node": the paper's ablation
             sel = torch.topk(key, k, dim=1).indices
@@ -443,7 +448,7 @@ class Cycle:
         elif ch is not None:
             # live mode: the tree size that buys the most expected tokens (1 + the sum of path
             # probabilities, section 3) per measured ms of this batch's verify and draft (budget.py)
-            best = torch.topk(pool_s[active], n - 1, dim=1).values.exp()
+            best = torch.topk(busy(pool_s), n - 1, dim=1).values.exp()
             n = ch.choose(best, self.steps)
         return rerank_batch(pool_t, pool_p, pool_s, root, n - 1, self.depth)
 
@@ -696,10 +701,6 @@ class Engine:
     def capture_failure(self):
         return self.cycle.capture_failure if self.cycle is not None else None
 
-    @property
-    def lm_head_in_one_product(self) -> bool:
-        return self.one_product
-
     def label(self) -> str:
         """What each cycle verifies, in a few words ("trees of up to 6 nodes (chosen per cycle)")."""
         if self.head is None:
@@ -805,41 +806,3 @@ class Engine:
 
     def generate(self, prompt_ids, gen: GenerationSettings | None = None) -> tuple[list[int], Summary]:
         return collect(self.stream(prompt_ids, gen))
-
-
-# -- how many rows a prompt file gets ----------------------------------------------------------------
-
-def prior_expected(head, n_max: int) -> list[float]:
-    """Expected tokens per cycle for trees of 1 .. n_max nodes before any cycle is seen: a chain
-    from the head's own evaluation (metadata `eval.acceptance_by_depth`), 1 for a random head, and
-    a cautious guess otherwise. Only the batch-size plan uses it; cycles then choose trees by the
-    draft's calibrated confidence."""
-    meta = getattr(head, "metadata", None) or {}
-    if head is None or meta.get("random"):
-        return [1.0] * n_max
-    rates = (meta.get("eval") or {}).get("acceptance_by_depth") or [0.5, 0.3, 0.2]
-    out, reach = [1.0], 1.0
-    for n in range(2, n_max + 1):
-        if n - 1 <= len(rates):
-            reach *= rates[n - 2]
-            out.append(out[-1] + reach)
-        else:
-            out.append(out[-1] + 0.02)  # extra siblings: little, but not nothing
-    return out
-
-
-def plan(costs, n_prompts: int, prior: list[float], batch: int | None = None, tree: int | None = None):
-    """(batch size, tree size, estimated tok/s table {(B, N): tok/s}) maximising tokens per second
-    over the measured batch sizes up to the number of prompts (`batch` pins B) and trees 1 (plain)
-    .. len(prior) (`tree` pins N): tok/s = B x E(N) / (verify(B, N) + draft(B) if N > 1)."""
-    sizes = [b for b in costs.batches if b <= max(1, n_prompts)] or [1]
-    if batch is not None:
-        sizes = [batch]
-    trees = [tree] if tree is not None else list(range(1, len(prior) + 1))
-    table = {}
-    for b in sizes:
-        for n in trees:
-            ms = costs.verify(b, n) + (costs.draft(b) if n > 1 else 0.0)
-            table[(b, n)] = 1000.0 * b * prior[min(n, len(prior)) - 1] / ms
-    best = max(table, key=table.get)
-    return best[0], best[1], table

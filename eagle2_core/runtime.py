@@ -218,13 +218,12 @@ class Runtime:
 
         The batch size B that maximises tokens per second on this machine is chosen from the
         measured batch costs (costs.BatchCosts) and the head's expected acceptance
-        (engine.prior_expected); each cycle's tree is then chosen by the engine's per-cycle
+        (costs.prior_expected); each cycle's tree is then chosen by the engine's per-cycle
         budget (budget.py), costs keyed by (B, N), up to the grid's largest tree. `batch_size` and
         an int `tree_tokens` pin them (N = 1: plain decoding). None means batch 1 with this
         runtime's tree: `eagle()`, the same engine with one row.
         """
-        from .costs import BATCH_TREES, load_or_measure_batch
-        from .engine import plan, prior_expected
+        from .costs import BATCH_TREES, load_or_measure_batch, plan, prior_expected
 
         if batch_size == 1 and tree_tokens != 1:
             return None, {"batch_size": 1, "tree_tokens": "per-prompt decoder", "reason": "pinned"}

@@ -79,19 +79,6 @@ class TargetRunner:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
-    def eos_ids(self, gen, tokenizer=None) -> set[int]:
-        if gen.eos_token_ids is not None:
-            return set(gen.eos_token_ids)
-        return model_eos_ids(self.model, tokenizer)
-
-
-def decoder_layers(body) -> torch.nn.ModuleList:
-    """The decoder body's layer stack (`model.layers` in every architecture transformers ships)."""
-    layers = getattr(body, "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(body).__name__} has no .layers; EAGLE-3 features cannot be captured from it")
-    return layers
-
 
 @contextmanager
 def capture_layer_inputs(body, layers: tuple[int, ...] | None):
@@ -106,7 +93,9 @@ def capture_layer_inputs(body, layers: tuple[int, ...] | None):
     if not layers:
         yield seen
         return
-    stack = decoder_layers(body)
+    stack = getattr(body, "layers", None)  # `model.layers` in every architecture transformers ships
+    if stack is None:
+        raise ValueError(f"{type(body).__name__} has no .layers; EAGLE-3 features cannot be captured from it")
 
     def keeper(k):
         def hook(module, args, kwargs):

@@ -31,7 +31,8 @@ import torch
 
 from eagle2_core import DraftHead, Engine, GenerationSettings, HeadSpec, TreeSettings
 from eagle2_core.costs import BatchCosts, CostProfile
-from eagle2_core.engine import Cycle, KVCache, Request, Slot, bucket, num_cache_layers, plan, prior_expected
+from eagle2_core.costs import plan, prior_expected
+from eagle2_core.engine import Cycle, KVCache, Request, Slot, bucket, num_cache_layers
 from eagle2_core.events import StopChecker
 from eagle2_core.opcount import OpCounter, counting, cycle_ops
 from eagle2_core.target import TargetRunner
