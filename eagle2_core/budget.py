@@ -157,7 +157,10 @@ class BudgetChooser:
             seen = st["n"] > 0
             scale = float(st["sum"].sum() / (st["prior"] * st["n"]).sum()) if seen.any() else 1.0
             w = self.prior_cycles
-            st["table"] = (w * scale * st["prior"] + st["sum"]) / (w + st["n"])
+            t = (w * scale * st["prior"] + st["sum"]) / (w + st["n"])
+            # Fewer rows never cost more: a table that says so is noise (a profile measured once,
+            # sizes seen unequally often), and would make small trees and plain decoding look dear.
+            st["table"] = torch.flip(torch.cummin(torch.flip(t, [0]), 0).values, [0])
         return st["table"]
 
     def draft_fit(self) -> tuple[float, float]:

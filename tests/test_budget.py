@@ -299,3 +299,20 @@ def test_runtime_auto_tree_takes_its_expansion_from_the_profile_unless_given(tmp
     rt = Runtime.load(tiny_model_dir, tiny_head_dir, device="cpu", tree={"total_tokens": 5, "depth": 3, "top_k": 7})
     assert rt.tree.budget == "constant" and rt.tree.total_tokens == 5
     assert (rt.auto_tree.depth, rt.auto_tree.top_k, rt.auto_tree.budget) == (3, 7, "auto")  # what the user gave stands
+
+
+def test_fewer_rows_never_cost_more_in_the_chooser_table():
+    """A profile whose 1-row verify measured dearer than 2 or 3 rows (noise: `generate`'s plain
+    forward cannot cost more than a bigger one) must not make plain decoding or small trees look
+    dear: the chooser's table is non-decreasing, each size at most what any larger one costs.
+    With a useless draft (confidence ~0), no tree dearer than the root alone is chosen, and after a run's first
+    cycles drafting is judged not to pay (its cost bought nothing)."""
+    ch = BudgetChooser(fake_profile({1: 30.0, 2: 20.0, 3: 25.0, 8: 40.0}), 8, step_ms=5.0)
+    t = ch.verify_table()
+    assert t.tolist() == pytest.approx([20.0, 20.0, 25.0, 28.0, 31.0, 34.0, 37.0, 40.0])
+    assert ch.choose(torch.full((1, 7), 1e-4, dtype=torch.float64), steps=1) <= 2  # no size dearer than the cheapest
+    ch.start_run(1)
+    for _ in range(ch.patience):
+        assert ch.drafting_pays
+        ch.observe(torch.full((1, 2), 1e-4), torch.zeros(1, 2), draft_ms=5.0, verify_ms=22.0, steps=1, tokens=1)
+    assert not ch.drafting_pays  # 1 token per 27 ms against 1 per ~20-22 ms plain

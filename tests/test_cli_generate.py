@@ -133,22 +133,22 @@ def test_generate_batched_equals_one_at_a_time(tmp_path, tiny_model_dir, tiny_he
 
 
 def test_generate_seeded_sampling_is_the_same_at_every_batch_size(tmp_path, tiny_model_dir, tiny_head_dir):
-    """`--temperature 0.8 --seed 7`: the same texts at -b 1 (the per-prompt decoder) and at -b 3
-    (trees of 4 nodes, and plain), multi-turn items included (one sampling rule, one uniform per
+    """`--temperature 0.8 --seed 7`: the same texts at -b 1, at -b 3 (trees of 4 nodes, and plain)
+    and at the measured batch size (-b auto, the default), multi-turn items included (one sampling rule, one uniform per
     output position); another seed gives other texts."""
     inp = tmp_path / "in.jsonl"
     good = [g for g in GOOD if "custom_id" not in g] + [{"id": f"p{i}", "prompt": f"Count to {i}", "max_new_tokens": 4 + i} for i in range(4)]
     write_input(inp, good=good, bad=[])
     texts = {}
     for name, extra in {"one": ["-b", "1"], "tree": ["-b", "3", "--total-tokens", "4"], "plain": ["-b", "3", "--total-tokens", "1"],
-                        "seed 8": ["-b", "1", "--seed", "8"]}.items():
+                        "auto": [], "seed 8": ["-b", "1", "--seed", "8"]}.items():
         out = tmp_path / f"{name}.jsonl"
         r = CliRunner().invoke(cli, ["generate", "-f", str(inp), "-o", str(out), "--temperature", "0.8", "--seed", "7"]
                                + model_args(tiny_model_dir, tiny_head_dir, 8) + extra)
         assert r.exit_code == 0, r.output + r.stderr
         texts[name] = {str(x.get("id", x.get("question_id"))): (x.get("text"), x.get("turns")) for x in read_jsonl(out)}
         assert len(texts[name]) == len(good)
-    assert texts["tree"] == texts["one"] and texts["plain"] == texts["one"]
+    assert texts["tree"] == texts["one"] and texts["plain"] == texts["one"] and texts["auto"] == texts["one"]
     assert texts["seed 8"] != texts["one"]
 
 
