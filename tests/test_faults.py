@@ -168,7 +168,7 @@ def test_nan_and_huge_seeds_in_input_lines_are_line_errors(tmp_path, tiny_model_
 @pytest.mark.parametrize("assignment", ["temperature=nan", "temperature=inf", f"seed={2**64}"])
 def test_chat_set_refuses_what_the_options_refuse(assignment):
     from eagle2_core.chat import apply_setting
-    from eagle2_core.drafter import TreeSettings
+    from eagle2_core.treesettings import TreeSettings
     from eagle2_core.events import GenerationSettings
 
     with pytest.raises(ValueError):
@@ -229,14 +229,14 @@ def test_compile_on_a_capturable_tree_has_no_notice(tiny_model_dir, tiny_head_di
 
 def test_a_capture_failure_is_reported_as_what_ran(tmp_path, tiny_model_dir, tiny_head_dir, monkeypatch):
     """A cycle whose capture fails runs uncaptured: compare's JSON and table say so, not 'compiled'."""
-    from eagle2_core import graphcycle
+    from eagle2_core import engine
 
     def broken(fn, backend):
         def run(*args):
             raise RuntimeError("no C compiler found\nmore detail")
         return run
 
-    monkeypatch.setattr(graphcycle, "_compile", broken)
+    monkeypatch.setattr(engine, "_compile", broken)
     out = tmp_path / "c.json"
     with pytest.warns(UserWarning, match="capture failed \\(RuntimeError: no C compiler found\\); running the cycle uncaptured"):
         r = CliRunner().invoke(cli, ["compare", "--no-vanilla", "--limit", "1", "-n", "4", "--warmup-tokens", "2", "--against", "compiled,graph,batch:2",
@@ -246,7 +246,7 @@ def test_a_capture_failure_is_reported_as_what_ran(tmp_path, tiny_model_dir, tin
     comp = json.loads(out.read_text())
     assert comp["compiled"]["backend_used"] == "eager (capture failed: RuntimeError: no C compiler found)"
     assert comp["graph"]["backend_used"] == "eager" and comp["eagle2"]["backend_used"] == "eager"
-    assert comp["batch:2"]["backend_used"] == "eager"  # the batched cycle is never captured
+    assert comp["batch:2"]["backend_used"] == "eager"  # batched rows run live
     assert "compiled (uncaptured)" in r.output
 
 
