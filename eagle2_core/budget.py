@@ -157,11 +157,20 @@ class BudgetChooser:
             seen = st["n"] > 0
             scale = float(st["sum"].sum() / (st["prior"] * st["n"]).sum()) if seen.any() else 1.0
             w = self.prior_cycles
-            t = (w * scale * st["prior"] + st["sum"]) / (w + st["n"])
-            # Fewer rows never cost more: a table that says so is noise (a profile measured once,
-            # sizes seen unequally often), and would make small trees and plain decoding look dear.
-            st["table"] = torch.flip(torch.cummin(torch.flip(t, [0]), 0).values, [0])
+            st["table"] = (w * scale * st["prior"] + st["sum"]) / (w + st["n"])
         return st["table"]
+
+    def plain_ms(self) -> float:
+        """ms of a plain step (the root alone) at this batch: the straight line through the table's
+        first four sizes, read at one row. A single measured size is noisy either way (one row once
+        measured dearer than three made plain look dear and kept a useless draft going; once
+        cheaper, it stopped a good one), and a few rows cost about what one does."""
+        t = self.verify_table()[:4]
+        x = torch.arange(1, t.numel() + 1, dtype=torch.float64)
+        if t.numel() < 2:
+            return float(t[0])
+        slope = float(((x - x.mean()) * (t - t.mean())).sum() / ((x - x.mean()) ** 2).sum())
+        return max(float(t.mean()) + slope * (1 - float(x.mean())), 0.5 * float(t.min()))
 
     def draft_fit(self) -> tuple[float, float]:
         """(overhead ms per cycle, ms per head step) fitted to this batch size's timed cycles: ridge
@@ -233,7 +242,7 @@ class BudgetChooser:
         drafting must have produced more tokens per ms than verifying the root alone would."""
         if self.run_cycles < self.patience:
             return True
-        return self.run_tokens / self.run_ms >= self.batch / float(self.verify_table()[0])
+        return self.run_tokens / self.run_ms >= self.batch / self.plain_ms()
 
     # -- evidence -------------------------------------------------------------------------------
     def note_children(self, child_logp: torch.Tensor) -> None:
