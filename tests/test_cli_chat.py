@@ -183,3 +183,21 @@ def test_streamed_answer_wraps_at_word_boundaries_in_a_real_terminal(tmp_path):
     assert len(body) >= 6 and all(len(ln) <= 28 for ln in body), lines
     bad = [w for ln in body for w in ln.split() if w not in words]
     assert not bad, (bad, lines)  # every piece is a whole word
+
+
+def test_chat_seeded_answer_is_generates_at_any_batch_size(tmp_path, tiny_model_dir, tiny_head_dir):
+    """`--temperature 0.8 --seed 7`: the chat's answer is the text `generate` writes for the same
+    message at batch 3 beside two other prompts (one engine, one sampling rule keyed by seed and
+    position); another seed answers otherwise."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(["Count to 3", "Say hi", "Name a colour"])))
+    common = ["--temperature", "0.8"] + model_args(tiny_model_dir, tiny_head_dir, 8)
+    g = CliRunner().invoke(cli, ["generate", "-f", str(inp), "-o", str(out), "-b", "3", "--seed", "7"] + common)
+    assert g.exit_code == 0, g.output + g.stderr
+    text = {json.loads(x)["id"]: json.loads(x)["text"] for x in out.read_text().splitlines()}[0]
+    answers = {}
+    for seed in ("7", "8"):
+        r = CliRunner().invoke(cli, ["chat", "--prompt", "Count to 3", "--seed", seed] + common)
+        assert r.exit_code == 0, r.output + r.stderr
+        answers[seed] = r.stdout.strip()
+    assert text.strip() and answers["7"] == text.strip() and answers["8"] != answers["7"]
