@@ -648,10 +648,8 @@ class Cycle:
         """Calibration evidence (section 3): each drafted node's path probability and whether it
         was accepted, for the chooser's per-bin correction and compare's calibration table."""
         busy = [i for i, s in enumerate(self.slots) if s is not None]
-        n = scores.shape[1]
-        on = torch.zeros(len(busy), n, dtype=torch.float, device=scores.device)
-        for j, i in enumerate(busy):
-            on[j].index_fill_(0, path[i, : accepted[i] + 1], 1.0)
+        # paths are padded with the root (column 0, dropped below), so one scatter marks each row's path
+        on = torch.zeros(len(busy), scores.shape[1], dtype=torch.float, device=scores.device).scatter_(1, path[busy], 1.0)
         probs = scores[busy, 1:].exp()
         if self.chooser is not None:
             self.chooser.observe(probs, on[:, 1:], 1000 * draft_s, 1000 * verify_s, self.steps, sum(accepted[i] + 1 for i in busy))
