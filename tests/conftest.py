@@ -396,3 +396,14 @@ def chisquare_power(law0: dict, law1: dict, bins, n: int, alpha: float) -> float
     crit = stats.chi2.ppf(1 - alpha, dof)
     power = float(stats.ncx2.sf(crit, dof, lam)) if lam > 0 else alpha
     return 1.0 - (1.0 - power) * (1.0 - outside) ** n if outside > 1e-12 else power
+
+
+# ---------------------------------------------------------------------------------------------
+# Two workers (pytest-xdist, `-n 2` in pyproject's addopts): each test file runs whole on one
+# worker, so its module fixtures (trained tiny heads, built models) are made once; the tests on
+# the embedded SmolLM2 share one group, so its conversion and cost profile happen once too.
+# ---------------------------------------------------------------------------------------------
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = "smollm2" if "smollm2" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))

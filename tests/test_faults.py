@@ -19,9 +19,12 @@ from eagle2_cli.main import cli
 from eagle2_core.outputlock import OutputLocked, lock_output, lock_path
 
 HOLD = textwrap.dedent("""
-    import sys, time
-    from eagle2_core.outputlock import lock_output
-    with lock_output(sys.argv[1]):
+    import importlib.util, sys, time
+    # the module alone, by its path: importing the package would import torch (seconds per test)
+    spec = importlib.util.spec_from_file_location("outputlock", sys.argv[2])
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with mod.lock_output(sys.argv[1]):
         print("held", flush=True)
         time.sleep(120)
 """)
@@ -50,7 +53,9 @@ def holder(tmp_path):
     """A second process holding the lock of tmp_path/out.jsonl until killed."""
     out = str(tmp_path / "out.jsonl")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    p = subprocess.Popen([sys.executable, "-c", HOLD, out], stdout=subprocess.PIPE, text=True, env=env)
+    import eagle2_core.outputlock as lockmod
+
+    p = subprocess.Popen([sys.executable, "-c", HOLD, out, lockmod.__file__], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert p.stdout.readline().strip() == "held"
         yield out, p
@@ -428,9 +433,26 @@ def test_an_unusable_cache_folder_is_skipped_with_one_warning(tmp_path, tiny_mod
 def test_the_default_gguf_loads_without_a_cache_and_is_named_when_it_cannot(tmp_path, monkeypatch):
     """The GGUF is converted into the cache once; with no cache it loads straight from the GGUF
     (the load itself: the command around it is the test above, on the tiny model, as measuring
-    SmolLM2's cost profile with nowhere to keep it takes most of a minute here). A load that fails
-    with no --model names the default, not `None`."""
+    SmolLM2's cost profile with nowhere to keep it takes most of a minute here). The dequantizing
+    itself is the session's `smollm2` fixture's (its cache starts empty): here transformers' GGUF
+    model read is stood in for by a tiny model, so what is tested is the way around the cache, the
+    tokenizer read from the GGUF for real. A load that fails with no --model names the default, not `None`."""
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from eagle2_core import loading
+
+    real = transformers.AutoModelForCausalLM.from_pretrained
+    asked = []
+
+    def stand_in(where, *args, **kw):
+        if not kw.get("gguf_file"):
+            return real(where, *args, **kw)
+        asked.append((where, kw["gguf_file"]))
+        return LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1))
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", stand_in)
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -439,7 +461,9 @@ def test_the_default_gguf_loads_without_a_cache_and_is_named_when_it_cannot(tmp_
         target = loading.load_target(None, device="cpu")
         loading.cache_dir()  # asked again (the cost profile would): no second warning
     assert len([w for w in seen if "nothing will be cached" in str(w.message)]) == 1
-    assert target.name == "smollm2" and target.source == os.path.dirname(loading.smollm2_gguf_path())  # read from the GGUF itself
+    gguf = loading.smollm2_gguf_path()
+    assert asked == [(os.path.dirname(gguf), os.path.basename(gguf))]
+    assert target.name == "smollm2" and target.source == os.path.dirname(gguf)  # read from the GGUF itself
     assert target.tokenizer.decode(target.tokenizer("Hi there")["input_ids"]) == "Hi there" and not blocker.read_text()
 
     def broken(*args):
