@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--limit", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tree", default=None, help="N/D/K: both engines on this constant tree (engine cost alone, no chooser)")
     args = ap.parse_args()
     sys.path.insert(0, args.old)
     old_rt = importlib.import_module("eagle2_old.runtime")
@@ -44,7 +45,14 @@ def main() -> None:
         lines = lines[: args.limit]
     new = Runtime.load(None, None, dtype=args.dtype, gen=GenerationSettings(max_new_tokens=args.max_new_tokens))
     old = old_rt.Runtime.load(None, None, dtype=args.dtype, gen=old_ev.GenerationSettings(max_new_tokens=args.max_new_tokens))
-    new_dec, old_dec, van = new.eagle(), old.eagle(), new.vanilla()
+    if args.tree:
+        n, d, k = (int(v) for v in args.tree.split("/"))
+        old_tree = importlib.import_module("eagle2_old.treesettings").TreeSettings(total_tokens=n, depth=d, top_k=k)
+        from eagle2_core.treesettings import TreeSettings
+        new_dec, old_dec = new.eagle(TreeSettings(total_tokens=n, depth=d, top_k=k)), old.eagle(old_tree)
+    else:
+        new_dec, old_dec = new.eagle(), old.eagle()
+    van = new.vanilla()
     prompts = [new.encode([{"role": "user", "content": ln.get("prompt") or ln["turns"][0]}]) for ln in lines]
     gen_new = GenerationSettings(max_new_tokens=args.max_new_tokens)
     gen_old = old_ev.GenerationSettings(max_new_tokens=args.max_new_tokens)
@@ -52,6 +60,7 @@ def main() -> None:
     for d, g in ((van, gen_new), (old_dec, gen_old), (new_dec, gen_new)):
         d.generate(prompts[0], type(g)(max_new_tokens=4))
     rows = {"generate": [], "old": [], "new": []}
+    cyc = {k: {"cycles": 0, "tokens": 0, "draft_s": 0.0, "verify_s": 0.0, "nodes": 0, "depth": 0} for k in ("old", "new")}
     same = {"old": 0, "new": 0}
     for i, ids in enumerate(prompts):
         order = [("generate", van, gen_new), ("old", old_dec, gen_old), ("new", new_dec, gen_new)]
@@ -60,8 +69,16 @@ def main() -> None:
         outs = {}
         for name, d, g in order:
             t0 = time.perf_counter()
-            toks, _ = d.generate(ids, g)
+            toks, summ = d.generate(ids, g)
             rows[name].append((len(toks), time.perf_counter() - t0))
+            if name in cyc:  # where the time went: per cycle, the prefill's token aside
+                c = cyc[name]
+                c["cycles"] += summ.cycles
+                c["tokens"] += len(toks) - 1
+                c["draft_s"] += summ.draft_s
+                c["verify_s"] += summ.verify_s
+                c["nodes"] += summ.tree_tokens
+                c["depth"] += summ.depth_sum
             outs[name] = toks
         for k in same:
             same[k] += outs[k] == outs["generate"]
@@ -72,7 +89,10 @@ def main() -> None:
            "speedup_old": round(tps["old"] / tps["generate"], 3), "speedup_new": round(tps["new"] / tps["generate"], 3),
            "new_over_old": round(tps["new"] / tps["old"], 3), "identical": same,
            "per_prompt_new_over_old": round(statistics.median(
-               (rows["new"][i][0] / rows["new"][i][1]) / (rows["old"][i][0] / rows["old"][i][1]) for i in range(len(prompts))), 3)}
+               (rows["new"][i][0] / rows["new"][i][1]) / (rows["old"][i][0] / rows["old"][i][1]) for i in range(len(prompts))), 3),
+           "per_cycle": {k: {"tokens": round(c["tokens"] / max(1, c["cycles"]), 3), "draft_ms": round(1000 * c["draft_s"] / max(1, c["cycles"]), 2),
+                             "verify_ms": round(1000 * c["verify_s"] / max(1, c["cycles"]), 2), "nodes": round(c["nodes"] / max(1, c["cycles"]), 2),
+                             "depth": round(c["depth"] / max(1, c["cycles"]), 2)} for k, c in cyc.items()}}
     print(json.dumps(res, indent=1))
     if args.json:
         json.dump(res, open(args.json, "w"), indent=1)

@@ -80,6 +80,23 @@ def calibrate(path_probs: torch.Tensor, counts: torch.Tensor, prior_nodes: float
     return (path_probs * ratio[b]).clamp(max=1.0)
 
 
+def monotone(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The weighted least-squares fit of `values` that never decreases (pool adjacent violators).
+
+    A verify of n + 1 rows cannot cost less than one of n (the n-row forward could always be padded),
+    so where the timed table dips, the dip is noise of the machine; left in, one noisy size decides
+    which tree sizes look cheap (a profile with 3 rows 10% dearer than 6 kept trees small). Pooling
+    the violating neighbours at their evidence-weighted mean keeps every size's level of evidence."""
+    blocks: list[list[float]] = []  # [weighted mean, weight, count]
+    for v, w in zip(values.tolist(), weights.tolist()):
+        blocks.append([v, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, c2 = blocks.pop()
+            v1, w1, c1 = blocks[-1]
+            blocks[-1] = [(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, c1 + c2]
+    return torch.tensor([v for v, _, c in blocks for _ in range(c)], dtype=values.dtype)
+
+
 def mean_row(probs: torch.Tensor) -> torch.Tensor:
     """[rows, m] path probabilities -> [m]: each row sorted highest first, then averaged over rows.
     One tree size serves every row of a batch, so its expected tokens per row are the mean of the
@@ -94,7 +111,8 @@ class BudgetChooser:
     B trees. The cost profile (costs.py) is measured once per machine at a short context; real
     cycles run at longer contexts and add acceptance and cache work, so every timed cycle refines
     the table of its batch size: a size's cost is its observed mean, shrunk toward the profile
-    (scaled by how far the observed cycles ran from it) with `prior_cycles` pseudo-cycles. The
+    (scaled by how far the observed cycles ran from it) with `prior_cycles` pseudo-cycles, the
+    table then held non-decreasing in the tree size (`monotone`). The
     head's measured calibration corrects its confidence per bin (`calibrate`). Plain decoding is
     one of the choices: when drafting has not paid over a run's cycles, the engine stops drafting
     (`drafting_pays`). All this only changes which drafted nodes are verified, so the output stays
@@ -157,20 +175,15 @@ class BudgetChooser:
             seen = st["n"] > 0
             scale = float(st["sum"].sum() / (st["prior"] * st["n"]).sum()) if seen.any() else 1.0
             w = self.prior_cycles
-            st["table"] = (w * scale * st["prior"] + st["sum"]) / (w + st["n"])
+            st["table"] = monotone((w * scale * st["prior"] + st["sum"]) / (w + st["n"]), w + st["n"])
         return st["table"]
 
     def plain_ms(self) -> float:
-        """ms of a plain step (the root alone) at this batch: the straight line through the table's
-        first four sizes, read at one row. A single measured size is noisy either way (one row once
-        measured dearer than three made plain look dear and kept a useless draft going; once
-        cheaper, it stopped a good one), and a few rows cost about what one does."""
-        t = self.verify_table()[:4]
-        x = torch.arange(1, t.numel() + 1, dtype=torch.float64)
-        if t.numel() < 2:
-            return float(t[0])
-        slope = float(((x - x.mean()) * (t - t.mean())).sum() / ((x - x.mean()) ** 2).sum())
-        return max(float(t.mean()) + slope * (1 - float(x.mean())), 0.5 * float(t.min()))
+        """ms of a plain step (the root alone) at this batch: the table's first size. The table is
+        monotone, so a single noisy size cannot make plain look dear (one row once measured dearer
+        than three kept a useless draft going) or cheap (once cheaper, it stopped a good one): a
+        dip is pooled with its neighbours."""
+        return float(self.verify_table()[0])
 
     def draft_fit(self) -> tuple[float, float]:
         """(overhead ms per cycle, ms per head step) fitted to this batch size's timed cycles: ridge

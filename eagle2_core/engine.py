@@ -70,7 +70,11 @@ class KVLayer(CacheLayerMixin):
             self.keys[o.row].index_copy_(1, o.slots, key_states[0])
             self.values[o.row].index_copy_(1, o.slots, value_states[0])
             return self.keys[o.row : o.row + 1, :, : o.view], self.values[o.row : o.row + 1, :, : o.view]
-        if o.batch == 1:  # one row: a plain index_copy_ (cheaper than an advanced-index put)
+        if o.start is not None:  # live mode, one row: its new slots follow a length the host knows (a slice copy)
+            end = o.start + key_states.shape[2]
+            self.keys[:, :, o.start : end] = key_states
+            self.values[:, :, o.start : end] = value_states
+        elif o.batch == 1:  # one row: a plain index_copy_ (cheaper than an advanced-index put)
             self.keys[0].index_copy_(1, o.slots[0], key_states[0])
             self.values[0].index_copy_(1, o.slots[0], value_states[0])
         else:
@@ -97,6 +101,7 @@ class KVCache(Cache):
     def __init__(self, num_layers: int, batch: int, capacity: int, static: bool = False):
         self.batch, self.capacity, self.static = batch, capacity, static
         self.slots, self.row, self.view = None, None, capacity
+        self.start = None  # live mode at batch 1: the first slot written, known on the host (slots then unused)
         super().__init__(layers=[KVLayer(self) for _ in range(num_layers)])
 
     def _each(self, fn) -> None:
@@ -109,12 +114,16 @@ class KVCache(Cache):
 
     def commit(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Per row b, move slots src[b] to dst[b] (the accepted path into place; the rest is
-        dropped: section 3), all layers. The right side is gathered (copied) first."""
+        dropped: section 3), all layers. The right side is gathered (copied) first. With `start`
+        set (one row, dst = start, start + 1, ...) the destination is a slice."""
         rows = torch.arange(src.shape[0], device=src.device)[:, None]
         for layer in self.layers:
             if layer.is_initialized:
                 for buf in (layer.keys, layer.values):
-                    buf[rows, :, dst] = buf[rows, :, src]
+                    if self.start is not None:
+                        buf[:, :, self.start : self.start + dst.shape[1]] = buf.index_select(2, src[0])
+                    else:
+                        buf[rows, :, dst] = buf[rows, :, src]
 
     def grow(self, capacity: int) -> None:
         def bigger(t):
@@ -487,6 +496,7 @@ class Cycle:
         view = self._view(n)
         c = self.cache
         c.slots, c.view = seq_len[:, None] + torch.arange(n, device=dev), view
+        c.start = self.host_len[0] if b == 1 and not self.fixed else None
         k_pos = torch.arange(view, device=dev).expand(b, view).scatter(1, c.slots, q_pos)
         mask = self.run.masks(lambda win: windowed(context_and_tree(seq_len, anc, view), q_pos, k_pos, win))
         return self.run.body_forward(tokens, q_pos.clamp(max=self.run.max_positions - 1), mask, c, self.seen, self.layers)

@@ -304,13 +304,35 @@ def test_runtime_auto_tree_takes_its_expansion_from_the_profile_unless_given(tmp
 def test_drafting_stops_when_it_buys_less_than_plain_decoding():
     """Plain decoding is one of the chooser's choices: after a run's first `patience` cycles,
     drafting goes on only while it has produced more tokens per ms than the root alone would.
-    The plain cost is read off a line through the first four sizes, so one noisy size (here one
-    row measured dearer than two to four) decides nothing: ~27 ms, not 30 or 20."""
+    The plain cost is the monotone table's first size, so one noisy size (here one row measured
+    dearer than two to four) decides nothing: the four pooled, 24.25 ms, not 30 or 20."""
     ch = BudgetChooser(fake_profile({1: 30.0, 2: 20.0, 3: 25.0, 4: 22.0, 8: 40.0}), 8, step_ms=5.0)
-    assert ch.plain_ms() == pytest.approx(27.1)
+    assert ch.plain_ms() == pytest.approx(24.25)
     for tokens, pays in ((1, False), (2, True)):  # a useless draft (1 token per 32 ms), a useful one (2)
         ch.start_run(1)
         for _ in range(ch.patience):
             assert ch.drafting_pays
             ch.observe(torch.full((1, 2), 0.3), torch.zeros(1, 2), draft_ms=10.0, verify_ms=22.0, steps=1, tokens=tokens)
         assert ch.drafting_pays == pays
+
+
+def test_the_cost_table_never_falls_with_the_tree_size():
+    """A dip in a timed table is noise (a smaller verify could always be padded to the larger one):
+    pooled with its neighbours at their evidence-weighted mean, so one noisy size does not decide
+    which trees look cheap. A table that already rises is left exactly as it is."""
+    from eagle2_core.budget import monotone
+
+    ones = torch.ones(8, dtype=torch.float64)
+    rising = torch.tensor([10.0, 10.0, 11.0, 12.5, 12.5, 13.0, 20.0, 21.0], dtype=torch.float64)
+    assert torch.equal(monotone(rising, ones), rising)
+    noisy = torch.tensor([47.1, 48.9, 56.4, 54.3, 52.5, 51.1, 54.7, 55.0], dtype=torch.float64)  # a measured bf16 profile
+    fit = monotone(noisy, ones)
+    assert (fit[1:] >= fit[:-1]).all() and fit[:2].tolist() == [47.1, 48.9]
+    assert fit[2:6].tolist() == pytest.approx([53.575] * 4) and fit[6:].tolist() == [54.7, 55.0]
+    # weights: the size with more timed cycles moves less
+    heavy = monotone(torch.tensor([12.0, 10.0], dtype=torch.float64), torch.tensor([1.0, 3.0], dtype=torch.float64))
+    assert heavy.tolist() == pytest.approx([10.5, 10.5])
+    # in the chooser: a profile whose 3 rows measured dearer than 6 gets a table that rises
+    ch = BudgetChooser(fake_profile({1: 47.1, 2: 48.9, 3: 56.4, 4: 54.3, 5: 52.5, 6: 51.1, 7: 54.7, 8: 55.0}, draft=2.0), 8, step_ms=2.0)
+    t = ch.verify_table()
+    assert (t[1:] >= t[:-1]).all() and t[2].item() == pytest.approx(53.575)
