@@ -316,6 +316,7 @@ class Cycle:
             c.row = None
         root = pick(self.run.logits(hidden[0, -1:]))
         if self.speculative:
+            self._head_cache_ready()
             feats = feats[0]
             if self.new_features is None:
                 self.new_features = torch.zeros(self.batch, self.width, feats.shape[-1], dtype=feats.dtype, device=dev)
@@ -334,6 +335,16 @@ class Cycle:
         self.host_len[b] = n
         self.slots[b] = slot
         return root
+
+    def _head_cache_ready(self) -> None:
+        """Allocate the head's cache at admission, never inside a capture: a one-token prompt has no
+        pair to absorb here, and its first draft would otherwise allocate it (and run uncaptured)."""
+        layer = self.hcache.layers[0]
+        if not layer.is_initialized:
+            attn = next(m for m in self.head.modules() if hasattr(m, "head_dim") and hasattr(m, "k_proj"))
+            z = torch.zeros(1, attn.k_proj.out_features // attn.head_dim, 1, attn.head_dim, dtype=self.head.fc.weight.dtype,
+                            device=self.run.device)
+            layer.lazy_initialization(z, z)
 
     def release(self, b: int) -> Slot:
         slot, self.slots[b] = self.slots[b], None
@@ -616,10 +627,8 @@ class Cycle:
         t0 = time.perf_counter()
         b, dev = self.batch, self.run.device
         if self.speculative:
-            # the head's cache is allocated at its first write, never inside a capture (a one-token prompt absorbs nothing at admission)
-            draft = self._draft if self.hcache.layers[0].is_initialized else self.draft_fn
             tokens, parents, depth, anc, scores, self.head_len = self._call(
-                "draft", draft, self.new_tokens, self.new_features, self.head_len, self.n_new, self.root, self.active)
+                "draft", self._draft, self.new_tokens, self.new_features, self.head_len, self.n_new, self.root, self.active)
         else:
             tokens, scores = self.root[:, None], None
             parents = torch.full((b, 1), -1, dtype=torch.long, device=dev)

@@ -158,9 +158,9 @@ def test_captured_cycle_is_identical_and_compiles_once_per_shape(tiny_lm, fitted
     """aot_eager runs Dynamo's full-graph capture and AOT autograd's functionalisation, as the
     GPU backends do, without code generation. B = 3 decodes the queue (the batch shrinks to the
     bucket of 1 at the end), then B = 1 case by case, as a chat does (the capacity bucket grows between prompts;
-    the first prompt is one token, so the head's cache is first written by a draft). Each
-    (batch, capacity) shape compiles draft and verify once, whichever engine met it first, and a
-    second pass over every case recompiles nothing."""
+    the first prompt is one token, so the head's cache is allocated at its admission, not by a draft:
+    every draft runs captured). Each (batch, capacity) shape compiles draft and verify once, whichever
+    engine met it first, and a second pass over every case recompiles nothing."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -169,6 +169,15 @@ def test_captured_cycle_is_identical_and_compiles_once_per_shape(tiny_lm, fitted
     shapes = set()
     real_step = Cycle.step
     monkeypatch.setattr(Cycle, "step", lambda self: shapes.add((self.batch, self.capacity)) or real_step(self))
+    drafts = []  # per draft: whether it ran the captured function
+    real_call = Cycle._call
+
+    def call(self, stage, fn, *args):
+        if stage == "draft":
+            drafts.append(getattr(fn, "__func__", None) is not Cycle.draft_fn)
+        return real_call(self, stage, fn, *args)
+
+    monkeypatch.setattr(Cycle, "_call", call)
     torch._dynamo.reset()
     counters.clear()
     engines = {b: make_engine(e["model"], e["head"], "fixed", b, compile="aot_eager") for b in (3, 1)}
@@ -186,6 +195,7 @@ def test_captured_cycle_is_identical_and_compiles_once_per_shape(tiny_lm, fitted
     graphs = counters["stats"]["unique_graphs"]
     print(f"\n[capture] llama: shapes {sorted(shapes)}, {graphs} graphs")
     assert {(3, 128), (1, 128), (1, 64)} <= shapes and graphs == 2 * len(shapes)  # draft and verify, once per shape
+    assert drafts and all(drafts)  # the one-token prompt's first draft included
     ptrs = [layer.keys.data_ptr() for layer in engines[1].cycle.cache.layers]
     cycle3 = engines[3].cycle
     assert cycle3.batch < 3  # compacted at the end of the queue
