@@ -74,10 +74,7 @@ class KVLayer(CacheLayerMixin):
             end = o.start + key_states.shape[2]
             self.keys[:, :, o.start : end] = key_states
             self.values[:, :, o.start : end] = value_states
-        elif o.batch == 1:  # one row: a plain index_copy_ (cheaper than an advanced-index put)
-            self.keys[0].index_copy_(1, o.slots[0], key_states[0])
-            self.values[0].index_copy_(1, o.slots[0], value_states[0])
-        else:
+        else:  # fixed mode, or rows at different lengths: each row at its own slots
             rows = torch.arange(o.batch, device=self.device)[:, None]
             # advanced indices around a slice put their dims first: [B, n, heads, dim]
             self.keys[rows, :, o.slots] = key_states.transpose(1, 2)
