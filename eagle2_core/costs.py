@@ -118,11 +118,14 @@ def _table(points: dict[int, float], n_max: int) -> torch.Tensor:
 def profile_key(model, head) -> dict:
     import transformers
 
+    from .target import TargetRunner
+
     cfg = model.config.to_json_string(use_diff=False) if hasattr(model.config, "to_json_string") else str(model.config)
     w = model.get_output_embeddings().weight
     return {"version": PROFILE_VERSION, "model": hashlib.sha1(cfg.encode()).hexdigest()[:16], "dtype": str(w.dtype).replace("torch.", ""),
             "device": str(w.device), "device_name": _device_name(w.device), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
+            "body": "stock" if TargetRunner(model).lean is None else "lean",
             "head": None if head is None else f"{getattr(head, 'kind', 'eagle2')}:{head.spec.hidden_size}:{head_draft_rows(head)}"}
 
 
@@ -234,7 +237,7 @@ def product_weights(model, head) -> list[torch.Tensor]:
     from .target import TargetRunner
 
     run = TargetRunner(model)
-    ws = [m.weight for m in run.cpu_linears]
+    ws = run.lean.weights() if run.lean is not None else [m.weight for m in run.cpu_linears]
     if type(run.lm_head) is torch.nn.Linear:
         ws.append(run.lm_head.weight)
     if head is not None:

@@ -203,14 +203,14 @@ def _packed_of(weight: torch.Tensor) -> torch.Tensor | None:
 def kernel_for(x: torch.Tensor, weight: torch.Tensor) -> str:
     """The kernel a product of `x` with `weight` takes: the plan's, where it applies (CPU,
     float32/bfloat16, inference, a packing at hand for `packed`), else `linear`."""
-    if not eligible(weight) or x.dtype != weight.dtype:
+    # A captured cycle (graph mode, `--compile`) cannot trace the packing look-up (an opaque
+    # oneDNN tensor found by id): it runs `linear` there, and inductor prepacks weights its own way.
+    if torch.compiler.is_compiling() or not eligible(weight) or x.dtype != weight.dtype:
         return "linear"
     if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
         return "linear"  # training keeps linear's backward
     k = PLAN.kernel(x.numel() // max(1, x.shape[-1]), weight)
-    # A captured cycle (graph mode, `--compile`) cannot trace the packing look-up (an opaque
-    # oneDNN tensor found by id): it runs `linear` there, and inductor prepacks weights its own way.
-    if k == "packed" and (torch.compiler.is_compiling() or _packed_of(weight) is None):
+    if k == "packed" and _packed_of(weight) is None:
         return "linear"
     return k
 

@@ -10,6 +10,7 @@ import torch
 
 from contextlib import contextmanager
 
+from . import leanbody
 from .rowgemm import eligible, linear_rows, plain_linears
 from .tree import additive
 
@@ -39,6 +40,8 @@ class TargetRunner:
         # CPU linears take the measured product plan's kernel during our forwards only (rowgemm.py);
         # one that already has an instance-level forward (an accelerate hook) is left alone.
         self.cpu_linears = [m for m in plain_linears(self.body) if eligible(m.weight) and "forward" not in m.__dict__]
+        # The Llama family's body in plain tensor ops on CPUs (leanbody.py); None: the stock body.
+        self.lean = leanbody.for_model(self.body, self.config) if self.device.type == "cpu" else None
         self.max_positions = context_length(model.config)
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         layer_types = getattr(self.config, "layer_types", None) or []
@@ -65,8 +68,10 @@ class TargetRunner:
         [B, n, H], and the draft head's feature: the hidden state itself (EAGLE-1/2, `layers` None)
         or the residual streams entering `layers`, concatenated low to high (EAGLE-3 section 3.2),
         which hooks the caller installed put in `seen` (`capture_layer_inputs`)."""
-        out = self.body(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True)
-        hidden = out.last_hidden_state
+        if self.lean is not None:
+            hidden = self.lean(tokens, positions, mask, cache, seen, layers)
+        else:
+            hidden = self.body(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True).last_hidden_state
         return hidden, (hidden if layers is None else fuse(seen, layers))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

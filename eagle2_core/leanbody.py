@@ -1,0 +1,171 @@
+"""The target's decoder body for the Llama family on CPUs, in plain tensor ops over its own weights.
+
+Verify (EAGLE-2 section 3) is one forward of the target over a few rows, and on a CPU that
+forward is memory-bound: the products want to stream the weights once and nothing else should
+cost. The stock transformers forward is written for every use at once (module calls, kwargs
+plumbing, attention interfaces): on SmolLM2 it spends ~15 ms per forward outside its 211
+products (docs/benchmarks.md, issue 28). This is the same computation written once, gpt-fast
+style, for the layers we recognise (Llama, Qwen2, Mistral, Qwen3: pre-norm RMSNorm, rotary
+q/k, SDPA, a gated MLP):
+
+- q/k/v are one product and gate/up one product: the layer's parameters become views into one
+  fused weight each (the same values, no second copy), so the model object still works as
+  before for everything else (`generate`, training, saving).
+- rotary runs once over q and k together, and attention reads our cache directly.
+
+It runs only where the model is one we recognise, on a CPU, with SDPA attention and plain
+`nn.Linear` layers (no accelerate hooks, no quantized layers); everything else keeps the stock
+body. `EAGLE2_BODY=stock` turns it off (tests run both). The arithmetic is the stock forward's
+op for op (RMSNorm in float32, HF's rotary module, SDPA) except the order of additions inside a
+fused product, as between any two product kernels (README: what "identical" means).
+"""
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from .rowgemm import linear_rows
+
+LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer", "Qwen3DecoderLayer"}
+NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm", "Qwen3RMSNorm"}
+DTYPES = (torch.float32, torch.bfloat16)
+
+_BODIES: "weakref.WeakKeyDictionary[torch.nn.Module, LeanBody]" = weakref.WeakKeyDictionary()
+
+
+def wanted() -> bool:
+    """`EAGLE2_BODY=stock` keeps the stock transformers body everywhere."""
+    return os.environ.get("EAGLE2_BODY", "").strip().lower() not in ("stock", "hf", "0", "off")
+
+
+def why_not(body, config) -> str | None:
+    """Why the lean body cannot stand in for `body` (None: it can)."""
+    if not wanted():
+        return "EAGLE2_BODY=stock"
+    if getattr(config, "_attn_implementation", "sdpa") != "sdpa":
+        return f"attention implementation {config._attn_implementation!r} (the lean body is SDPA's arithmetic)"
+    layers = getattr(body, "layers", None)
+    if layers is None or not all(hasattr(body, a) for a in ("embed_tokens", "rotary_emb", "norm")):
+        return f"{type(body).__name__} is not a Llama-family body"
+    params = list(body.parameters())
+    if not params or any(p.device.type != "cpu" or p.dtype not in DTYPES for p in params):
+        return "not a float32/bfloat16 model on the CPU"
+    if type(body.embed_tokens) is not torch.nn.Embedding or type(body.norm).__name__ not in NORMS:
+        return "embedding or final norm of another kind"
+    for mod in body.modules():
+        if hasattr(mod, "_hf_hook") or mod._forward_hooks or mod._forward_pre_hooks:
+            return "a module carries hooks (accelerate offload or another tool's)"
+    for layer in layers:
+        if type(layer).__name__ not in LAYERS:
+            return f"layer type {type(layer).__name__}"
+        a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        lin = [getattr(a, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if any(type(x) is not torch.nn.Linear for x in lin):
+            return "a projection that is not a plain nn.Linear (quantized?)"
+        if len({x.bias is None for x in lin[:3]}) != 1 or lin[3].bias is not None or any(x.bias is not None for x in lin[4:]):
+            return "biases other than on q/k/v together"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm] + [x for x in (getattr(a, "q_norm", None), getattr(a, "k_norm", None)) if x is not None]
+        if any(type(n).__name__ not in NORMS for n in norms):
+            return "a norm of another kind"
+    return None
+
+
+def for_model(body, config) -> "LeanBody | None":
+    """The lean body of `body` (made once per body: its fused weights are the model's own), or None."""
+    if not wanted():
+        return None
+    lean = _BODIES.get(body)  # checked once: later calls may come while the engine's own hooks are on
+    if lean is None and why_not(body, config) is None:
+        lean = _BODIES[body] = LeanBody(body, config)
+    return lean
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several linears read by the same input, their rows stacked; the
+    linears' parameters become views into it (same values, same shapes: no second copy once the
+    old storage goes). Made once per body (`for_model` keeps it)."""
+    def stacked(ts):
+        fused = torch.cat([t.detach() for t in ts])
+        off = 0
+        for t in ts:
+            t.data = fused[off: off + t.shape[0]]
+            off += t.shape[0]
+        return fused
+
+    with torch.no_grad():
+        weight = stacked([m.weight for m in linears])
+        bias = stacked([m.bias for m in linears]) if linears[0].bias is not None else None
+    return weight, bias
+
+
+def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
+    """Llama's RMSNorm, op for op (float32 inside, the weight applied in the input's dtype)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(x.dtype)
+
+
+class LeanBody:
+    def __init__(self, body, config):
+        self.body = body
+        a0 = body.layers[0].self_attn
+        self.head_dim = a0.head_dim
+        self.n_heads = a0.q_proj.out_features // self.head_dim
+        self.n_kv = a0.k_proj.out_features // self.head_dim
+        self.layer_types = list(getattr(config, "layer_types", None) or [])
+        self.layers = []
+        for layer in body.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv, qkv_bias = _fuse([a.q_proj, a.k_proj, a.v_proj])
+            gate_up, _ = _fuse([m.gate_proj, m.up_proj])
+            self.layers.append((layer, qkv, qkv_bias, gate_up))
+
+    def weights(self) -> list[torch.Tensor]:
+        """Every weight this body's products read (the fused ones as fused): what the product plan measures and packs."""
+        out = []
+        for layer, qkv, _, gate_up in self.layers:
+            out += [qkv, layer.self_attn.o_proj.weight, gate_up, layer.mlp.down_proj.weight]
+        return out
+
+    def __call__(self, tokens, positions, mask, cache, seen: dict | None = None, layers: tuple[int, ...] | None = None):
+        """Final-norm hidden states [B, n, H] of `tokens` at `positions` ([B, n]) on `cache`
+        (engine.KVCache: each layer's `update` writes the new K/V and returns what to attend),
+        `mask` additive [B, 1, n, view]; the residual stream entering each of `layers` goes to
+        `seen` (EAGLE-3's features, section 3.2 of its paper)."""
+        b, n = tokens.shape
+        hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
+        body = self.body
+        h = body.embed_tokens(tokens)
+        cos, sin = body.rotary_emb(h, positions)
+        cos, sin = cos[:, :, None], sin[:, :, None]  # [B, n, 1, hd]: over q's and k's heads alike
+        half = hd // 2
+        want = set(layers or ())
+        for i, (layer, qkv_w, qkv_b, gate_up) in enumerate(self.layers):
+            if i in want:
+                seen[i] = h
+            a, m = layer.self_attn, layer.mlp
+            x = rms_norm(h, layer.input_layernorm)
+            qkv = linear_rows(x, qkv_w, qkv_b).view(b, n, nh + 2 * nkv, hd)
+            q, k, v = qkv.split((nh, nkv, nkv), dim=2)
+            if getattr(a, "q_norm", None) is not None:  # Qwen3: per-head norms before rotary
+                q, k = rms_norm(q, a.q_norm), rms_norm(k, a.k_norm)
+                qk = torch.cat((q, k), 2)
+            else:
+                qk = qkv[:, :, : nh + nkv]
+            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin  # rotary on q and k at once
+            q, k = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2)
+            keys, values = cache.layers[i].update(k, v.transpose(1, 2))
+            mk = mask[self.layer_types[i]] if isinstance(mask, dict) else mask  # hybrid windows (Qwen2 max_window_layers)
+            if n == 1 and nkv < nh:  # one query: its heads of a group as the group's rows (no repeated K/V)
+                o = F.scaled_dot_product_attention(q.reshape(b, nkv, nh // nkv, hd), keys, values, attn_mask=mk, scale=a.scaling)
+            else:
+                o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mk, scale=a.scaling, enable_gqa=nkv < nh)
+            o = o.reshape(b, nh, n, hd).transpose(1, 2).reshape(b, n, nh * hd)
+            h = h + linear_rows(o, a.o_proj.weight)
+            x = rms_norm(h, layer.post_attention_layernorm)
+            g, u = linear_rows(x, gate_up).chunk(2, -1)
+            h = h + linear_rows(m.act_fn(g) * u, m.down_proj.weight)
+        return rms_norm(h, body.norm)

@@ -1,0 +1,115 @@
+"""The lean decoder body (leanbody.py): the stock transformers body's arithmetic in plain tensor
+ops, for the Llama family on CPUs. Same hidden states as the stock body on our cache (prefill and
+a tree verify), the model's parameters unchanged in value, `generate` unchanged, and the stock
+body kept wherever the model is not one it recognises."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny_lm, model_digest
+from eagle2_core import leanbody
+from eagle2_core.engine import KVCache, num_cache_layers
+from eagle2_core.target import TargetRunner
+from eagle2_core.tree import batch_trees, causal_rows, context_and_tree, windowed
+
+
+def tiny_qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=40, initializer_range=0.1,
+                      tie_word_embeddings=False)
+    return Qwen3ForCausalLM(cfg).eval().requires_grad_(False)
+
+
+def build(arch):
+    return tiny_qwen3() if arch == "qwen3" else make_tiny_lm(arch)
+
+
+def run_both(run, ids, tree_parents, lean: bool, monkeypatch):
+    """Prefill `ids`, then verify a tree after it, with the lean body or the stock one."""
+    if not lean:
+        monkeypatch.setattr(run, "lean", None)
+    n = len(ids)
+    cache = KVCache(num_cache_layers(run.config), 1, 32)
+    pos = torch.arange(n)[None]
+    cache.row, cache.slots, cache.view = 0, pos[0], n
+    mask = run.masks(lambda w: windowed(causal_rows(pos, n), pos, pos, w))
+    with torch.no_grad():
+        pre, _ = run.body_forward(ids[None], pos, mask, cache, {}, None)
+        cache.row = None
+        parents = torch.tensor([tree_parents])
+        m = parents.shape[1]
+        depth, anc = batch_trees(parents, m)
+        seq_len = torch.tensor([n])
+        view = n + m
+        cache.slots, cache.view = seq_len[:, None] + torch.arange(m), view
+        q_pos = seq_len[:, None] + depth
+        k_pos = torch.arange(view)[None].scatter(1, cache.slots, q_pos)
+        mask = run.masks(lambda w: windowed(context_and_tree(seq_len, anc, view), q_pos, k_pos, w))
+        tree, _ = run.body_forward(torch.tensor([[3, 5, 7, 2, 9]])[:, :m], q_pos, mask, cache, {}, None)
+    return pre, tree, [layer.keys.clone() for layer in cache.layers]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
+def test_lean_body_matches_the_stock_body(arch, monkeypatch):
+    """Prefill of 9 tokens and a 5-node tree (root, two children, a grandchild each) give the same
+    hidden states and the same cache through either body (Mistral's window of 5 included)."""
+    model = build(arch)
+    run = TargetRunner(model)
+    assert run.lean is not None, leanbody.why_not(run.body, run.config)
+    ids = torch.tensor([1, 4, 2, 8, 5, 7, 3, 3, 6])
+    parents = [-1, 0, 0, 1, 2]
+    stock = run_both(TargetRunner(model), ids, parents, False, monkeypatch)
+    lean = run_both(run, ids, parents, True, monkeypatch)
+    for a, b in zip(stock[:2], lean[:2]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    for a, b in zip(stock[2], lean[2]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_fusing_keeps_the_model_as_it_was():
+    """The q/k/v and gate/up parameters become views of one weight each, with the same values:
+    the state dict, `generate` and a second runner (which reuses the fusion) are unchanged."""
+    model = make_tiny_lm("qwen2")  # q/k/v with biases
+    before = model_digest(model)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    ref = model.generate(ids, max_new_tokens=8, do_sample=False)
+    run = TargetRunner(model)
+    layer = model.model.layers[0]
+    qkv = run.lean.layers[0][1]
+    q, v = layer.self_attn.q_proj, layer.self_attn.v_proj
+    assert q.weight.data_ptr() == qkv.data_ptr() and v.bias.data_ptr() + v.bias.numel() * 4 == run.lean.layers[0][2].data_ptr() + run.lean.layers[0][2].numel() * 4
+    assert torch.equal(qkv[: q.out_features], q.weight) and isinstance(q.weight, torch.nn.Parameter)
+    assert qkv.shape[0] == sum(getattr(layer.self_attn, p).out_features for p in ("q_proj", "k_proj", "v_proj"))
+    assert model_digest(model) == before
+    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), ref)
+    again = TargetRunner(model)
+    assert again.lean is run.lean and again.lean.layers[0][1] is qkv
+
+
+def test_the_stock_body_is_kept_where_the_lean_one_does_not_apply(monkeypatch):
+    gemma = make_tiny_lm("gemma3")
+    assert TargetRunner(gemma).lean is None and "another kind" in leanbody.why_not(gemma.model, gemma.config)  # its scaled embedding
+    eager = make_tiny_lm("llama")
+    eager.config._attn_implementation = "eager"
+    assert "attention implementation 'eager'" in leanbody.why_not(eager.model, eager.config)
+    hooked = make_tiny_lm("llama", seed=3)
+    hooked.model.layers[1].mlp.register_forward_hook(lambda *a: None)
+    assert TargetRunner(hooked).lean is None and "hooks" in leanbody.why_not(hooked.model, hooked.config)
+    half = make_tiny_lm("llama", seed=4).half()
+    assert "float32/bfloat16" in leanbody.why_not(half.model, half.config)
+    monkeypatch.setenv("EAGLE2_BODY", "stock")
+    assert TargetRunner(make_tiny_lm("llama", seed=5)).lean is None
+
+
+def test_lean_body_in_bfloat16_matches_the_stock_body(monkeypatch):
+    model = make_tiny_lm("llama").to(torch.bfloat16)
+    ids = torch.tensor([1, 4, 2, 8, 5, 7])
+    stock = run_both(TargetRunner(model), ids, [-1, 0, 1], False, monkeypatch)
+    lean = run_both(TargetRunner(model), ids, [-1, 0, 1], True, monkeypatch)
+    for a, b in zip(stock[:2], lean[:2]):
+        torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
