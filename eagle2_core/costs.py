@@ -181,7 +181,7 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
     products = {} if rowgemm.env_forced() else measure_products(weights, reps=reps)
     rowgemm.install_plan(product_plan(products))
     rowgemm.prepare(weights)
-    floor_ms, weight_bytes = measure_stream_floor(model, reps)
+    stream, weight_bytes = stream_reader(model)
     # Stay inside the model's context: no position at or past max_position_embeddings is run
     # (a short-context model measures fewer tree sizes; the table extrapolates beyond them).
     context = min(CONTEXT, run.max_positions // 2)
@@ -203,7 +203,10 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
                 run.logits(hidden[0]).argmax(-1)
             return one
 
-        verify = _timed({n: verify_fn(n) for n in verify_rows}, reps)
+        # The stream floor in the same interleaved rounds as the verifies: on a VM whose speed
+        # drifts by a fifth within minutes, their ratio is only meaningful measured side by side.
+        verify = _timed({n: verify_fn(n) for n in verify_rows} | ({"floor": stream} if stream else {}), reps)
+        floor_ms = verify.pop("floor", None)
         # lm_head alone, as acceptance applies it (the product plan's kernel)
         hid = torch.randn(max(LM_HEAD_ROWS), text_config(model.config).hidden_size, device=dev, dtype=run.dtype)
         lm_head = _timed({n: (lambda n=n: run.logits(hid[:n]).argmax(-1)) for n in LM_HEAD_ROWS}, reps)
@@ -318,15 +321,22 @@ def packing_spread(products: dict, plan: rowgemm.ProductPlan) -> dict[str, float
     return out
 
 
-def measure_stream_floor(model, reps: int = 5) -> tuple[float | None, int]:
-    """(ms to read every target weight once, their bytes): each weight summed, a pure streaming
-    read. A verify cannot beat it; how close verify gets is what the kernels are worth."""
+def stream_reader(model):
+    """(a function reading every target weight once, their bytes): each weight summed, a pure
+    streaming read. A verify cannot beat it; how close verify gets is what the kernels are worth.
+    The function is None off the CPU."""
     ps = {id(p): p for p in model.parameters()}
     ws = [p.detach() for p in ps.values() if p.is_floating_point()]
+    nbytes = sum(w.numel() * w.element_size() for w in ws)
     if not ws or ws[0].device.type != "cpu":
-        return None, sum(w.numel() * w.element_size() for w in ws)
-    ms = _timed({"stream": lambda: [w.sum() for w in ws]}, reps)["stream"]
-    return ms, sum(w.numel() * w.element_size() for w in ws)
+        return None, nbytes
+    return (lambda: [w.sum() for w in ws]), nbytes
+
+
+def measure_stream_floor(model, reps: int = 5) -> tuple[float | None, int]:
+    """(ms to read every target weight once, their bytes), timed alone."""
+    fn, nbytes = stream_reader(model)
+    return (_timed({"stream": fn}, reps)["stream"] if fn else None), nbytes
 
 
 def _cache_path(key: dict) -> str:
