@@ -111,6 +111,18 @@ def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
     return norm.weight * h.to(x.dtype)
 
 
+def signed_sine(sin: torch.Tensor) -> torch.Tensor:
+    """The rotary sine with its first half negated: `rotary` then needs no negation."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), -1)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, as x * cos + roll(x, d/2) * signed sine: bitwise the same
+    (a sign moves from one factor to the other), three ops fewer per layer."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * signed_sin
+
+
 class LeanBody:
     def __init__(self, body, config):
         self.body = body
@@ -143,10 +155,7 @@ class LeanBody:
         body = self.body
         h = body.embed_tokens(tokens)
         cos, sin = body.rotary_emb(h, positions)
-        # rotate_half(x) * sin == roll(x, hd/2) * sin with its first half negated (bitwise: a
-        # sign moves from one factor to the other): three ops fewer per layer.
-        half = hd // 2
-        cos, sin = cos[:, :, None], torch.cat((-sin[..., :half], sin[..., half:]), -1)[:, :, None]  # [B, n, 1, hd]
+        cos, sin = cos[:, :, None], signed_sine(sin)[:, :, None]  # [B, n, 1, hd]: over q's and k's heads alike
         want = set(layers or ())
         for i, (layer, qkv_w, qkv_b, gate_up) in enumerate(self.layers):
             if i in want:
@@ -160,7 +169,7 @@ class LeanBody:
                 qk = torch.cat((q, k), 2)
             else:
                 qk = qkv[:, :, : nh + nkv]
-            qk = qk * cos + torch.roll(qk, half, -1) * sin  # rotary on q and k at once
+            qk = rotary(qk, cos, sin)  # on q and k at once
             q, k = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2)
             keys, values = cache.layers[i].update(k, v.transpose(1, 2))
             mk = mask[self.layer_types[i]] if isinstance(mask, dict) else mask  # hybrid windows (Qwen2 max_window_layers)

@@ -113,3 +113,21 @@ def test_lean_body_in_bfloat16_matches_the_stock_body(monkeypatch):
     lean = run_both(TargetRunner(model), ids, [-1, 0, 1], True, monkeypatch)
     for a, b in zip(stock[:2], lean[:2]):
         torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("hidden", [32, 576, 896])
+def test_rms_norm_and_rotary_are_the_stock_arithmetic_bitwise(hidden):
+    """torch.rms_norm in float32 and rotary as a roll with a signed sine are the stock ops'
+    results bit for bit (a future torch that changes either fails here, not in a long run)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    torch.manual_seed(hidden)
+    norm = LlamaRMSNorm(hidden, eps=1e-5)
+    norm.weight.data = torch.randn(hidden)
+    for x in (torch.randn(1, 1, hidden), torch.randn(2, 7, hidden) * 30, torch.randn(1, 300, hidden) * 0.01):
+        assert torch.equal(leanbody.rms_norm(x, norm), norm(x))
+    q, k = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 5, 16)
+    cos, sin = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    ref_q, ref_k = apply_rotary_pos_emb(q, k, cos, sin)
+    signed = leanbody.signed_sine(sin)[:, None]
+    assert torch.equal(leanbody.rotary(q, cos[:, None], signed), ref_q) and torch.equal(leanbody.rotary(k, cos[:, None], signed), ref_k)
