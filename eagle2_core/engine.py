@@ -2,8 +2,8 @@
 
 Every path runs the same cycle on B >= 1 sequences (*rows*): draft a tree per row with the draft
 head (EAGLE-2 section 4: expansion by path score, then rerank), verify every row's tree in one
-forward of the stock transformers target (the trees go in as an additive mask and positions; no
-modeling file is patched), accept per row, commit the accepted KV in place. Chat is one request;
+forward of the target (the trees go in as an additive mask and positions; no modeling file is
+patched: the stock transformers body, or on CPUs the Llama family's lean body, leanbody.py), accept per row, commit the accepted KV in place. Chat is one request;
 a prompt file is a queue, and a row whose sequence ends takes the next prompt (continuous
 batching). N = 1 (the root alone) is plain decoding through the same cycle.
 

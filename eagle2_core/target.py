@@ -1,8 +1,10 @@
-"""The target model, driven through its stock transformers forward.
+"""The target model, driven through its own transformers forward or, on CPUs, the lean body.
 
 `TargetRunner` is a thin view over a loaded `*ForCausalLM`: it runs the decoder body on our
 cache with our mask and positions, and applies lm_head only to the rows we need (the prompt's
-last row, the tree's rows), which on a small model saves a large share of the work.
+last row, the tree's rows), which on a small model saves a large share of the work. For the
+Llama family on a CPU the body is `leanbody.LeanBody` (the same arithmetic in plain tensor ops,
+fused products); every other model runs its stock body.
 """
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ class TargetRunner:
         return additive(allowed_fn(self.window), self.dtype)
 
     def body_forward(self, tokens, positions, mask, cache, seen: dict, layers: tuple[int, ...] | None):
-        """The stock body on our cache, mask and positions ([B, n] each): final-norm hidden states
+        """The body (lean or stock) on our cache, mask and positions ([B, n] each): final-norm hidden states
         [B, n, H], and the draft head's feature: the hidden state itself (EAGLE-1/2, `layers` None)
         or the residual streams entering `layers`, concatenated low to high (EAGLE-3 section 3.2),
         which hooks the caller installed put in `seen` (`capture_layer_inputs`)."""
