@@ -128,8 +128,9 @@ class BudgetChooser:
         self.batch = 1
         self._by_batch: dict[int, dict] = {}
         self.counts = torch.zeros(3, bins, dtype=torch.float64)  # nodes, accepted, confidence sum (bin_counts)
-        # The best child's own confidence (given its parent), averaged over expansions: how much
-        # of a front node's path probability a deeper level is expected to keep.
+        # The best child's own confidence (given its parent), averaged over expanded nodes weighted
+        # by their path probability: how much of a front node's path probability a deeper level is
+        # expected to keep, where the mass is.
         self.keep_sum, self.keep_n = 0.0, 0
         self.prior_cycles, self.prior_nodes = prior_cycles, prior_nodes
         self.learn_costs = True  # False: keep the profile's costs (tests that need a known cost table)
@@ -239,12 +240,13 @@ class BudgetChooser:
         nearly a whole forward, often just the root). [rows, m] inputs: per row, then averaged.
         """
         pool = self._cal(torch.atleast_2d(pool_logp).exp())
-        front = self._cal(torch.atleast_2d(front_logp).exp())
+        front = torch.atleast_2d(front_logp).exp()
         now = self._rate(mean_row(pool), steps)
         keep = (self.keep_sum + 0.5 * self.prior_cycles) / (self.keep_n + self.prior_cycles)  # a half before any evidence
         extra = []
         for level in range(1, remaining + 1):
-            extra.append(front * keep ** level)
+            # the deeper node's path probability is what the measured bins correct, not its factors
+            extra.append(self._cal(front * keep ** level))
             if self._rate(mean_row(torch.cat([pool, *extra], -1)), steps + level) > now:
                 return True
         return False
@@ -258,10 +260,19 @@ class BudgetChooser:
         return self.run_tokens / self.run_ms >= self.batch / self.plain_ms()
 
     # -- evidence -------------------------------------------------------------------------------
-    def note_children(self, child_logp: torch.Tensor) -> None:
-        """One expansion: [front, k] children's log-probabilities given their parents."""
-        self.keep_sum += float(child_logp.max(-1).values.exp().sum())
-        self.keep_n += child_logp.shape[0]
+    def note_children(self, child_logp: torch.Tensor, parent_logp: torch.Tensor | None = None) -> None:
+        """One expansion: [front, k] children's log-probabilities given their parents, and the
+        parents' path log-probabilities [front] (None: the root, weight 1 each).
+
+        Weighted by the parent's path probability: the share that matters is the one kept by the
+        nodes that carry the tree's expected tokens. Unweighted, the k - 1 unlikely front nodes
+        (whose children are unsure) pulled it to about a third on SmolLM2 while the likely node's
+        best child kept two thirds (acceptance at depth 2 given depth 1, fixed 6/2/3 trees), and
+        the chooser stopped at depth 1."""
+        best = child_logp.max(-1).values.exp()
+        w = torch.ones_like(best) if parent_logp is None else parent_logp.exp().to(best.dtype)
+        self.keep_sum += float((w * best).sum())
+        self.keep_n += float(w.sum())
 
     def observe(self, path_probs: torch.Tensor, on_path: torch.Tensor, draft_ms: float, verify_ms: float, steps: int = 1,
                 tokens: float | None = None) -> None:

@@ -442,7 +442,7 @@ class Cycle:
             out_h, out_lp = self._head_step(tokens, front_h, ctx, d - 1, visible, view)
             child_lp, child_ids = torch.topk(out_lp, k, dim=-1)            # [B, k, k]
             if ch is not None:
-                ch.note_children(busy(child_lp).flatten(0, 1))
+                ch.note_children(busy(child_lp).flatten(0, 1), busy(front_s).flatten())
             path = (front_s[:, :, None] + child_lp).flatten(1)            # path score = product of confidences
             key = path if self.tree.expand_by == "path" else child_lp.flatten(1)  # "node": the paper's ablation
             sel = torch.topk(key, k, dim=1).indices

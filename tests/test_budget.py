@@ -182,6 +182,24 @@ def test_depth_is_chosen_per_cycle_from_confidence_and_step_cost():
     assert fresh.worth_expanding(mid, mid, steps=1, remaining=1)
 
 
+def test_the_share_a_child_keeps_is_weighted_by_its_parents_path_probability():
+    """One likely front node whose best child is sure and nine unlikely ones whose children are
+    not (top-k 10): the share kept where the mass is (0.67) decides depth, not the mean over
+    nodes (0.16)."""
+    prof = fake_profile({1: 40.0, 2: 40.5, 8: 42.0}, draft=4.0)
+    front = torch.log(torch.tensor([0.6] + [0.01] * 9))
+    children = torch.log(torch.tensor([[0.7, 0.2]] + [[0.1, 0.05]] * 9))
+    weighted, flat = BudgetChooser(prof, 8, step_ms=4.0), BudgetChooser(prof, 8, step_ms=4.0)
+    for _ in range(40):
+        weighted.note_children(children, front)
+        flat.note_children(children)
+    assert weighted.keep_sum / weighted.keep_n == pytest.approx((0.6 * 0.7 + 0.009) / 0.69, rel=1e-4)
+    assert flat.keep_sum / flat.keep_n == pytest.approx(0.16, rel=1e-4)
+    pool = front
+    assert weighted.worth_expanding(pool, front, steps=1, remaining=1)
+    assert not flat.worth_expanding(pool, front, steps=1, remaining=1)
+
+
 def test_draft_overhead_is_not_charged_per_step():
     """A cycle's drafting is an overhead plus one head step per level; only the step is paid
     again for a deeper level. Charging the whole draft per step (the old model: 10 ms cycles of
