@@ -71,9 +71,10 @@ def test_lean_body_matches_the_stock_body(arch, monkeypatch):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
-def test_fusing_keeps_the_model_as_it_was():
+def test_fusing_keeps_the_model_as_it_was(tmp_path):
     """The q/k/v and gate/up parameters become views of one weight each, with the same values:
-    the state dict, `generate` and a second runner (which reuses the fusion) are unchanged."""
+    the state dict, `generate`, `save_pretrained` and a second runner (which reuses the fusion)
+    are unchanged."""
     model = make_tiny_lm("qwen2")  # q/k/v with biases
     before = model_digest(model)
     ids = torch.tensor([[1, 2, 3, 4]])
@@ -89,6 +90,11 @@ def test_fusing_keeps_the_model_as_it_was():
     assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), ref)
     again = TargetRunner(model)
     assert again.lean is run.lean and again.lean.layers[0][1] is qkv
+    from transformers import AutoModelForCausalLM
+
+    model.save_pretrained(tmp_path)  # safetensors refuses tensors sharing storage unless transformers handles them
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    assert all(torch.equal(reloaded[k], v) for k, v in model.state_dict().items())
 
 
 def test_the_stock_body_is_kept_where_the_lean_one_does_not_apply(monkeypatch):
