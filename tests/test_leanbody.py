@@ -24,8 +24,20 @@ def tiny_qwen3():
     return Qwen3ForCausalLM(cfg).eval().requires_grad_(False)
 
 
+def tiny_qwen2_hybrid():
+    """Qwen2 with sliding windows from layer 1 on (max_window_layers): one mask per layer type."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=40, initializer_range=0.1, tie_word_embeddings=False,
+                      use_sliding_window=True, sliding_window=3, max_window_layers=1)
+    assert cfg.layer_types == ["full_attention", "sliding_attention"]
+    return Qwen2ForCausalLM(cfg).eval().requires_grad_(False)
+
+
 def build(arch):
-    return tiny_qwen3() if arch == "qwen3" else make_tiny_lm(arch)
+    return {"qwen3": tiny_qwen3, "qwen2-hybrid": tiny_qwen2_hybrid}.get(arch, lambda: make_tiny_lm(arch))()
 
 
 def run_both(run, ids, tree_parents, lean: bool, monkeypatch):
@@ -53,13 +65,14 @@ def run_both(run, ids, tree_parents, lean: bool, monkeypatch):
     return pre, tree, [layer.keys.clone() for layer in cache.layers]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "qwen2-hybrid"])
 def test_lean_body_matches_the_stock_body(arch, monkeypatch):
     """Prefill of 9 tokens and a 5-node tree (root, two children, a grandchild each) give the same
     hidden states and the same cache through either body (Mistral's window of 5 included)."""
     model = build(arch)
     run = TargetRunner(model)
     assert run.lean is not None, leanbody.why_not(run.body, run.config)
+    assert run.hybrid == (arch == "qwen2-hybrid")
     ids = torch.tensor([1, 4, 2, 8, 5, 7, 3, 3, 6])
     parents = [-1, 0, 0, 1, 2]
     stock = run_both(TargetRunner(model), ids, parents, False, monkeypatch)
