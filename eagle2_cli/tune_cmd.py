@@ -49,6 +49,11 @@ def tune(batch, json_path, common):
         out.print(f"stream floor: reading the {prof.weight_bytes / 1e6:.0f} MB of target weights once takes {prof.stream_floor_ms:.1f} ms "
                   f"({gbs:.1f} GB/s); verify of 1 / 4 / 16 rows at "
                   + " / ".join(f"{prof.verify_table(n)[-1] / prof.stream_floor_ms:.2f}x" for n in (1, 4, 16)) + " of it", highlight=False)
+    if prof.key.get("body"):
+        from eagle2_core import leanbody
+
+        note = "" if prof.key["body"] != "lean" else f" ({leanbody.native_status()})"
+        out.print(f"target body: {prof.key['body']}{note}", highlight=False)
     if prof.products:
         from eagle2_core import rowgemm
         from eagle2_core.costs import packing_spread, product_weights

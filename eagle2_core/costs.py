@@ -125,8 +125,18 @@ def profile_key(model, head) -> dict:
     return {"version": PROFILE_VERSION, "model": hashlib.sha1(cfg.encode()).hexdigest()[:16], "dtype": str(w.dtype).replace("torch.", ""),
             "device": str(w.device), "device_name": _device_name(w.device), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "body": "stock" if TargetRunner(model).lean is None else "lean",
+            "body": _body_label(TargetRunner(model)),
             "head": None if head is None else f"{getattr(head, 'kind', 'eagle2')}:{head.spec.hidden_size}:{head_draft_rows(head)}"}
+
+
+def _body_label(run) -> str:
+    """Which target body the costs were measured on: the stock forward, the lean body's Python
+    layer loop, or its native loop (built here on first use: leanbody.native_loop)."""
+    from . import leanbody
+
+    if run.lean is None:
+        return "stock"
+    return "lean, native loop" if run.lean.native_ok and leanbody.native_loop() is not None else "lean"
 
 
 def head_draft_rows(head) -> int:

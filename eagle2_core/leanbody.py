@@ -27,11 +27,13 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from . import rowgemm
 from .rowgemm import linear_rows
 
 LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer", "Qwen3DecoderLayer"}
 NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm", "Qwen3RMSNorm"}
 DTYPES = (torch.float32, torch.bfloat16)
+SILU = {"SiLU", "SiLUActivation"}  # torch's and transformers' names for the same function
 
 _BODIES: "weakref.WeakKeyDictionary[torch.nn.Module, LeanBody]" = weakref.WeakKeyDictionary()
 
@@ -111,6 +113,93 @@ def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
     return norm.weight * h.to(x.dtype)
 
 
+# -- the native layer loop ---------------------------------------------------------------------
+# The same layers in C++ (the ops are ATen's, the products oneDNN's packed linear, called with
+# the plan's packings): what remains of a forward once Python is out of it. On SmolLM2 (AMD EPYC
+# Zen 4, 2 cores) a forward of 1 / 6 / 16 rows took 25.3 / 26.7 / 35.4 ms against 34.3 / 34.3 /
+# 46.0 for the Python loop, bitwise the same (docs/benchmarks.md). Built once per machine with
+# torch's own extension builder (a C++ compiler and ninja; ~25 s, cached); where that fails the
+# Python loop runs. It serves the chat's hot path only: one sequence in live mode (its new K/V
+# written as a slice), every product packed at this row count, no EAGLE-3 layer capture.
+NATIVE_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+using at::Tensor;
+
+static Tensor packed_linear(const Tensor& x, const Tensor& w, const Tensor* bias) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack s;
+  s.emplace_back(x);
+  s.emplace_back(w);
+  if (bias) s.emplace_back(*bias); else s.emplace_back(c10::IValue());
+  s.emplace_back(std::string("none"));
+  s.emplace_back(c10::List<c10::optional<c10::Scalar>>());
+  s.emplace_back(std::string(""));
+  op.callBoxed(&s);
+  return s[0].toTensor();
+}
+
+// Llama's RMSNorm: torch's rms_norm in float32 (bitwise the same), the stock ops otherwise.
+static Tensor rms(const Tensor& x, const Tensor& w, double eps) {
+  if (x.scalar_type() == at::kFloat) return at::rms_norm(x, {x.size(-1)}, w, eps);
+  auto h = x.to(at::kFloat);
+  h = h * at::rsqrt(h.pow(2).mean(-1, true) + eps);
+  return w * h.to(x.scalar_type());
+}
+
+Tensor layers(Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& mask,
+              const std::vector<Tensor>& qkv, const std::vector<Tensor>& qkv_bias, const std::vector<Tensor>& o,
+              const std::vector<Tensor>& gate_up, const std::vector<Tensor>& down,
+              const std::vector<Tensor>& ln1, const std::vector<Tensor>& ln2, const Tensor& norm, double eps,
+              const std::vector<Tensor>& keys, const std::vector<Tensor>& values, int64_t start, int64_t view,
+              int64_t nh, int64_t nkv, int64_t hd, double scaling) {
+  const int64_t b = h.size(0), n = h.size(1), H = h.size(2);
+  for (size_t i = 0; i < qkv.size(); ++i) {
+    auto x = rms(h, ln1[i], eps).view({b * n, H});
+    auto t = packed_linear(x, qkv[i], qkv_bias.empty() ? nullptr : &qkv_bias[i]).view({b, n, nh + 2 * nkv, hd});
+    auto qk = t.narrow(2, 0, nh + nkv);
+    qk = qk * cos + at::roll(qk, {hd / 2}, {-1}) * sin;
+    auto q = qk.narrow(2, 0, nh).transpose(1, 2);
+    keys[i].narrow(2, start, n).copy_(qk.narrow(2, nh, nkv).transpose(1, 2));
+    values[i].narrow(2, start, n).copy_(t.narrow(2, nh + nkv, nkv).transpose(1, 2));
+    auto K = keys[i].narrow(2, 0, view), V = values[i].narrow(2, 0, view);
+    Tensor a = (n == 1 && nkv < nh)
+        ? at::scaled_dot_product_attention(q.reshape({b, nkv, nh / nkv, hd}), K, V, mask, 0.0, false, scaling)
+        : at::scaled_dot_product_attention(q, K, V, mask, 0.0, false, scaling, nkv < nh);
+    a = a.reshape({b, nh, n, hd}).transpose(1, 2).reshape({b * n, nh * hd});
+    h = h + packed_linear(a, o[i], nullptr).view({b, n, H});
+    x = rms(h, ln2[i], eps).view({b * n, H});
+    auto gu = packed_linear(x, gate_up[i], nullptr).chunk(2, -1);
+    h = h + packed_linear(at::silu(gu[0]) * gu[1], down[i], nullptr).view({b, n, H});
+  }
+  return rms(h, norm, eps);
+}
+"""
+
+_NATIVE: dict = {}  # "module" (built) or "error" (why not), once per process
+
+
+def native_loop():
+    """The built native layer loop, or None (build failed, or `EAGLE2_BODY=python`)."""
+    if "module" not in _NATIVE and "error" not in _NATIVE:
+        if os.environ.get("EAGLE2_BODY", "").strip().lower() == "python":
+            _NATIVE["error"] = "EAGLE2_BODY=python"
+        else:
+            try:
+                from torch.utils.cpp_extension import load_inline
+
+                _NATIVE["module"] = load_inline("eagle2_leanbody", cpp_sources=NATIVE_SOURCE, functions=["layers"],
+                                                extra_cflags=["-O2"], verbose=False)
+            except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a header missing: the Python loop runs
+                _NATIVE["error"] = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    return _NATIVE.get("module")
+
+
+def native_status() -> str:
+    """One line for `tune`: whether the native layer loop runs here."""
+    return "native layer loop" if native_loop() is not None else f"Python layer loop ({_NATIVE.get('error')})"
+
+
 def signed_sine(sin: torch.Tensor) -> torch.Tensor:
     """The rotary sine with its first half negated: `rotary` then needs no negation."""
     half = sin.shape[-1] // 2
@@ -137,6 +226,33 @@ class LeanBody:
             qkv, qkv_bias = _fuse([a.q_proj, a.k_proj, a.v_proj])
             gate_up, _ = _fuse([m.gate_proj, m.up_proj])
             self.layers.append((layer, qkv, qkv_bias, gate_up))
+        # the native loop is written for SiLU gates and no per-head q/k norms (Qwen3 takes the Python loop)
+        self.native_ok = all(getattr(layer.self_attn, "q_norm", None) is None and type(layer.mlp.act_fn).__name__ in SILU
+                             for layer in body.layers)
+        self._packs: dict = {}  # row bucket -> (plan, epoch, packings per product kind) for the native loop
+
+    def _packings(self, rows: int):
+        """Every product's packing at this row count, by kind (qkv, o, gate_up, down), if the plan
+        runs them all packed; else None (the Python loop then takes each product's own kernel)."""
+        key = rowgemm.bucket(rows)
+        got = self._packs.get(key)
+        if got is None or got[0] is not rowgemm.PLAN or got[1] != rowgemm.EPOCH:
+            kinds = [[], [], [], []]
+            for layer, qkv, _, gate_up in self.layers:
+                for kind, w in zip(kinds, (qkv, layer.self_attn.o_proj.weight, gate_up, layer.mlp.down_proj.weight)):
+                    kind.append(rowgemm.packing_for(rows, w))
+            packs = None if any(p is None for kind in kinds for p in kind) else kinds
+            got = self._packs[key] = (rowgemm.PLAN, rowgemm.EPOCH, packs)
+        return got[2]
+
+    def _native(self, b, n, mask, cache, layers):
+        """The native loop and the packings, where this forward is one it serves."""
+        if not self.native_ok or b != 1 or layers or isinstance(mask, dict) or getattr(cache, "start", None) is None \
+                or cache.row is not None or not cache.layers[0].is_initialized or torch.is_grad_enabled() \
+                or torch.compiler.is_compiling():
+            return None, None
+        packs = self._packings(b * n)
+        return (native_loop(), packs) if packs is not None else (None, None)
 
     def weights(self) -> list[torch.Tensor]:
         """Every weight this body's products read (the fused ones as fused): what the product plan measures and packs."""
@@ -156,6 +272,14 @@ class LeanBody:
         h = body.embed_tokens(tokens)
         cos, sin = body.rotary_emb(h, positions)
         cos, sin = cos[:, :, None], signed_sine(sin)[:, :, None]  # [B, n, 1, hd]: over q's and k's heads alike
+        native, packs = self._native(b, n, mask, cache, layers)
+        if native is not None:
+            layer0 = self.layers[0][0]
+            return native.layers(h, cos, sin, mask, packs[0], [qkv_b for _, _, qkv_b, _ in self.layers] if self.layers[0][2] is not None else [],
+                                 packs[1], packs[2], packs[3], [lay.input_layernorm.weight for lay, *_ in self.layers],
+                                 [lay.post_attention_layernorm.weight for lay, *_ in self.layers], body.norm.weight,
+                                 layer0.input_layernorm.variance_epsilon, [c.keys for c in cache.layers], [c.values for c in cache.layers],
+                                 int(cache.start), int(cache.view), nh, nkv, hd, layer0.self_attn.scaling)
         want = set(layers or ())
         for i, (layer, qkv_w, qkv_b, gate_up) in enumerate(self.layers):
             if i in want:

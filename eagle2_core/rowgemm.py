@@ -133,6 +133,7 @@ def env_forced() -> ProductPlan | None:
 
 
 PLAN: ProductPlan = ProductPlan()  # nothing measured yet: `linear` everywhere
+EPOCH = 0  # bumped whenever packings are made or dropped: choices cached from them are stale
 # id(weight) -> (weak reference to it, its _version when packed, the packing): made by `prepare`
 # only, never on the fly, so a temporary weight (a dtype cast) cannot make a packing per call.
 # The weak reference tells a reused id from the weight it was made for.
@@ -170,7 +171,8 @@ def prepare(weights, plan: ProductPlan | None = None) -> int:
     """Pack, once, every weight whose shape the plan runs packed (at load: the cost profile
     installs the plan, then the runtime calls this). Returns the bytes the packings of `weights`
     hold: a second copy of those weights, which `eagle2 tune` states."""
-    plan = plan or PLAN
+    global EPOCH
+    plan, EPOCH = plan or PLAN, EPOCH + 1
     for k in [k for k, (ref, _, _) in _PACKED.items() if ref() is None]:  # weights that are gone
         del _PACKED[k]
     weights = list(weights)
@@ -190,6 +192,8 @@ def packed_bytes(weights) -> int:
 
 def release() -> None:
     """Forget every packing."""
+    global EPOCH
+    EPOCH += 1
     _PACKED.clear()
 
 
@@ -213,6 +217,14 @@ def kernel_for(x: torch.Tensor, weight: torch.Tensor) -> str:
     if k == "packed" and _packed_of(weight) is None:
         return "linear"
     return k
+
+
+def packing_for(rows: int, weight: torch.Tensor) -> torch.Tensor | None:
+    """The packing a product of `rows` rows with `weight` runs on, if the plan runs it packed
+    (leanbody's native loop calls oneDNN with it directly); None otherwise."""
+    if not eligible(weight) or torch.compiler.is_compiling() or (torch.is_grad_enabled() and weight.requires_grad):
+        return None
+    return _packed_of(weight) if PLAN.kernel(rows, weight) == "packed" else None
 
 
 def transposed_product(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
