@@ -120,11 +120,22 @@ def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
 # 46.0 for the Python loop, bitwise the same (docs/benchmarks.md). Built once per machine with
 # torch's own extension builder (a C++ compiler and ninja; ~25 s, cached); where that fails the
 # Python loop runs. It serves the chat's hot path only: one sequence in live mode (its new K/V
-# written as a slice), every product packed at this row count, no EAGLE-3 layer capture.
+# written as a slice), no EAGLE-3 layer capture; each product takes the plan's kernel, as in the
+# Python loop.
 NATIVE_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 using at::Tensor;
+
+static Tensor packed_linear(const Tensor& x, const Tensor& w, const Tensor* bias);
+
+// One product by the plan's kernel (rowgemm.KERNEL_CODES): 0 oneDNN packed, 1 F.linear, 2 W @ x.T.
+static Tensor product(const Tensor& x, const Tensor& w, int64_t kind, const Tensor* bias) {
+  if (kind == 0) return packed_linear(x, w, bias);
+  if (kind == 1) return bias ? at::linear(x, w, *bias) : at::linear(x, w);
+  auto out = at::mm(w, x.t()).t().contiguous();
+  return bias ? out.add_(*bias) : out;
+}
 
 static Tensor packed_linear(const Tensor& x, const Tensor& w, const Tensor* bias) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -149,14 +160,14 @@ static Tensor rms(const Tensor& x, const Tensor& w, double eps) {
 
 Tensor layers(Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& mask,
               const std::vector<Tensor>& qkv, const std::vector<Tensor>& qkv_bias, const std::vector<Tensor>& o,
-              const std::vector<Tensor>& gate_up, const std::vector<Tensor>& down,
+              const std::vector<Tensor>& gate_up, const std::vector<Tensor>& down, const std::vector<int64_t>& kinds,
               const std::vector<Tensor>& ln1, const std::vector<Tensor>& ln2, const Tensor& norm, double eps,
               const std::vector<Tensor>& keys, const std::vector<Tensor>& values, int64_t start, int64_t view,
               int64_t nh, int64_t nkv, int64_t hd, double scaling) {
   const int64_t b = h.size(0), n = h.size(1), H = h.size(2);
   for (size_t i = 0; i < qkv.size(); ++i) {
     auto x = rms(h, ln1[i], eps).view({b * n, H});
-    auto t = packed_linear(x, qkv[i], qkv_bias.empty() ? nullptr : &qkv_bias[i]).view({b, n, nh + 2 * nkv, hd});
+    auto t = product(x, qkv[i], kinds[4 * i], qkv_bias.empty() ? nullptr : &qkv_bias[i]).view({b, n, nh + 2 * nkv, hd});
     auto qk = t.narrow(2, 0, nh + nkv);
     qk = qk * cos + at::roll(qk, {hd / 2}, {-1}) * sin;
     auto q = qk.narrow(2, 0, nh).transpose(1, 2);
@@ -167,10 +178,10 @@ Tensor layers(Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& mask
         ? at::scaled_dot_product_attention(q.reshape({b, nkv, nh / nkv, hd}), K, V, mask, 0.0, false, scaling)
         : at::scaled_dot_product_attention(q, K, V, mask, 0.0, false, scaling, nkv < nh);
     a = a.reshape({b, nh, n, hd}).transpose(1, 2).reshape({b * n, nh * hd});
-    h = h + packed_linear(a, o[i], nullptr).view({b, n, H});
+    h = h + product(a, o[i], kinds[4 * i + 1], nullptr).view({b, n, H});
     x = rms(h, ln2[i], eps).view({b * n, H});
-    auto gu = packed_linear(x, gate_up[i], nullptr).chunk(2, -1);
-    h = h + packed_linear(at::silu(gu[0]) * gu[1], down[i], nullptr).view({b, n, H});
+    auto gu = product(x, gate_up[i], kinds[4 * i + 2], nullptr).chunk(2, -1);
+    h = h + product(at::silu(gu[0]) * gu[1], down[i], kinds[4 * i + 3], nullptr).view({b, n, H});
   }
   return rms(h, norm, eps);
 }
@@ -229,20 +240,21 @@ class LeanBody:
         # the native loop is written for SiLU gates and no per-head q/k norms (Qwen3 takes the Python loop)
         self.native_ok = all(getattr(layer.self_attn, "q_norm", None) is None and type(layer.mlp.act_fn).__name__ in SILU
                              for layer in body.layers)
-        self._packs: dict = {}  # row bucket -> (plan, epoch, packings per product kind) for the native loop
+        self._packs: dict = {}  # row bucket -> (plan, epoch, products) for the native loop
 
-    def _packings(self, rows: int):
-        """Every product's packing at this row count, by kind (qkv, o, gate_up, down), if the plan
-        runs them all packed; else None (the Python loop then takes each product's own kernel)."""
+    def _products(self, rows: int):
+        """Every product's (kernel code, tensor) at this row count, by kind (qkv, o, gate_up,
+        down): the plan's choice, as the Python loop's `linear_rows` would make it."""
         key = rowgemm.bucket(rows)
         got = self._packs.get(key)
         if got is None or got[0] is not rowgemm.PLAN or got[1] != rowgemm.EPOCH:
-            kinds = [[], [], [], []]
+            tensors, codes = [[], [], [], []], []
             for layer, qkv, _, gate_up in self.layers:
-                for kind, w in zip(kinds, (qkv, layer.self_attn.o_proj.weight, gate_up, layer.mlp.down_proj.weight)):
-                    kind.append(rowgemm.packing_for(rows, w))
-            packs = None if any(p is None for kind in kinds for p in kind) else kinds
-            got = self._packs[key] = (rowgemm.PLAN, rowgemm.EPOCH, packs)
+                for kind, w in zip(tensors, (qkv, layer.self_attn.o_proj.weight, gate_up, layer.mlp.down_proj.weight)):
+                    code, t = rowgemm.product_choice(rows, w)
+                    kind.append(t)
+                    codes.append(code)
+            got = self._packs[key] = (rowgemm.PLAN, rowgemm.EPOCH, (tensors, codes))
         return got[2]
 
     def _native(self, b, n, mask, cache, layers):
@@ -251,8 +263,8 @@ class LeanBody:
                 or cache.row is not None or not cache.layers[0].is_initialized or torch.is_grad_enabled() \
                 or torch.compiler.is_compiling():
             return None, None
-        packs = self._packings(b * n)
-        return (native_loop(), packs) if packs is not None else (None, None)
+        loop = native_loop()
+        return (loop, self._products(b * n)) if loop is not None else (None, None)
 
     def weights(self) -> list[torch.Tensor]:
         """Every weight this body's products read (the fused ones as fused): what the product plan measures and packs."""
@@ -272,11 +284,12 @@ class LeanBody:
         h = body.embed_tokens(tokens)
         cos, sin = body.rotary_emb(h, positions)
         cos, sin = cos[:, :, None], signed_sine(sin)[:, :, None]  # [B, n, 1, hd]: over q's and k's heads alike
-        native, packs = self._native(b, n, mask, cache, layers)
+        native, products = self._native(b, n, mask, cache, layers)
         if native is not None:
+            (qkv, o, gate_up, down), codes = products
             layer0 = self.layers[0][0]
-            return native.layers(h, cos, sin, mask, packs[0], [qkv_b for _, _, qkv_b, _ in self.layers] if self.layers[0][2] is not None else [],
-                                 packs[1], packs[2], packs[3], [lay.input_layernorm.weight for lay, *_ in self.layers],
+            return native.layers(h, cos, sin, mask, qkv, [qkv_b for _, _, qkv_b, _ in self.layers] if self.layers[0][2] is not None else [],
+                                 o, gate_up, down, codes, [lay.input_layernorm.weight for lay, *_ in self.layers],
                                  [lay.post_attention_layernorm.weight for lay, *_ in self.layers], body.norm.weight,
                                  layer0.input_layernorm.variance_epsilon, [c.keys for c in cache.layers], [c.values for c in cache.layers],
                                  int(cache.start), int(cache.view), nh, nkv, hd, layer0.self_attn.scaling)

@@ -219,12 +219,14 @@ def kernel_for(x: torch.Tensor, weight: torch.Tensor) -> str:
     return k
 
 
-def packing_for(rows: int, weight: torch.Tensor) -> torch.Tensor | None:
-    """The packing a product of `rows` rows with `weight` runs on, if the plan runs it packed
-    (leanbody's native loop calls oneDNN with it directly); None otherwise."""
-    if not eligible(weight) or torch.compiler.is_compiling() or (torch.is_grad_enabled() and weight.requires_grad):
-        return None
-    return _packed_of(weight) if PLAN.kernel(rows, weight) == "packed" else None
+KERNEL_CODES = {"packed": 0, "linear": 1, "transposed": 2}  # leanbody's native loop takes the kernel as a code
+
+
+def product_choice(rows: int, weight: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(kernel code, the tensor it reads) for a product of `rows` rows with `weight`: the plan's
+    kernel as `kernel_for` picks it, with the packing for `packed` (leanbody's native loop)."""
+    k = kernel_for(weight.new_empty(rows, weight.shape[1]) if eligible(weight) else weight.new_empty(0), weight)
+    return (0, _packed_of(weight)) if k == "packed" else (KERNEL_CODES[k], weight)
 
 
 def transposed_product(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

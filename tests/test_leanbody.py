@@ -152,14 +152,16 @@ def test_rms_norm_and_rotary_are_the_stock_arithmetic_bitwise(hidden):
     assert torch.equal(leanbody.rotary(q, cos[:, None], signed), ref_q) and torch.equal(leanbody.rotary(k, cos[:, None], signed), ref_k)
 
 
+@pytest.mark.parametrize("kernel", ["linear", "transposed", "packed"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_the_native_loop_is_the_python_loop_bitwise(arch):
-    """The native layer loop (C++ over the same ATen ops and packings) gives the Python loop's
-    hidden states and cache bit for bit, at one row and at a 4-node tree, one sequence in live
-    mode; it steps aside where a product is not packed."""
+def test_the_native_loop_is_the_python_loop_bitwise(arch, kernel):
+    """The native layer loop (C++ over the same ATen ops, each product by the plan's kernel) gives
+    the Python loop's hidden states and cache bit for bit, at one row and at a 4-node tree, one
+    sequence in live mode, with every kernel forced in turn; it steps aside for what it does not
+    serve (a prefill row, a batch, EAGLE-3 layer capture)."""
     from eagle2_core import rowgemm
 
-    if not rowgemm.HAVE_PACKED:
+    if kernel == "packed" and not rowgemm.HAVE_PACKED:
         pytest.skip("this torch build has no oneDNN packed linear")
     if leanbody.native_loop() is None:
         pytest.skip(f"no native loop here: {leanbody.native_status()}")
@@ -167,7 +169,7 @@ def test_the_native_loop_is_the_python_loop_bitwise(arch):
     run = TargetRunner(model)
     lean = run.lean
     assert lean.native_ok
-    with rowgemm.using_plan(rowgemm.forced("packed")):
+    with rowgemm.using_plan(rowgemm.forced(kernel)):
         rowgemm.prepare(lean.weights())
         outs = {}
         for native in (False, True):
@@ -177,7 +179,9 @@ def test_the_native_loop_is_the_python_loop_bitwise(arch):
             pos = torch.arange(6)[None]
             cache.row, cache.slots, cache.view = 0, pos[0], 6
             with torch.no_grad():
-                run.body_forward(ids[None], pos, run.masks(lambda w: windowed(causal_rows(pos, 6), pos, pos, w)), cache, {}, None)
+                mask = run.masks(lambda w: windowed(causal_rows(pos, 6), pos, pos, w))
+                assert lean._native(1, 6, mask, cache, None) == (None, None)  # a prefill row
+                run.body_forward(ids[None], pos, mask, cache, {}, None)
                 cache.row = None
                 got = []
                 for parents in ([-1], [-1, 0, 0, 1]):
@@ -189,12 +193,12 @@ def test_the_native_loop_is_the_python_loop_bitwise(arch):
                     k_pos = torch.arange(6 + m)[None].scatter(1, cache.slots, q_pos)
                     mask = run.masks(lambda w: windowed(context_and_tree(seq_len, anc, 6 + m), q_pos, k_pos, w))
                     assert (lean._native(1, m, mask, cache, None)[0] is not None) == native
+                    assert lean._native(2, m, mask, cache, None) == (None, None)
+                    assert lean._native(1, m, mask, cache, (0,)) == (None, None)
                     got.append(run.body_forward(torch.tensor([[3, 5, 7, 2]])[:, :m], q_pos, mask, cache, {}, None)[0])
                 got.append(torch.stack([layer.keys for layer in cache.layers]))
             outs[native] = got
         lean.native_ok = True
-        for a, b in zip(outs[False], outs[True]):
-            assert torch.equal(a, b)
-        rowgemm.prepare(lean.weights(), rowgemm.ProductPlan())  # packings dropped: the Python loop again
-    cache.start = 6
-    assert lean._native(1, 1, torch.zeros(1), cache, None) == (None, None)
+        rowgemm.prepare(lean.weights(), rowgemm.ProductPlan())
+    for a, b in zip(outs[False], outs[True]):
+        assert torch.equal(a, b)
