@@ -152,9 +152,10 @@ def test_rms_norm_and_rotary_are_the_stock_arithmetic_bitwise(hidden):
     assert torch.equal(leanbody.rotary(q, cos[:, None], signed), ref_q) and torch.equal(leanbody.rotary(k, cos[:, None], signed), ref_k)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kernel", ["linear", "transposed", "packed"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_the_native_loop_is_the_python_loop_bitwise(arch, kernel):
+def test_the_native_loop_is_the_python_loop_bitwise(arch, kernel, dtype):
     """The native layer loop (C++ over the same ATen ops, each product by the plan's kernel) gives
     the Python loop's hidden states and cache bit for bit, at one row and at a 4-node tree, one
     sequence in live mode, with every kernel forced in turn; it steps aside for what it does not
@@ -165,7 +166,7 @@ def test_the_native_loop_is_the_python_loop_bitwise(arch, kernel):
         pytest.skip("this torch build has no oneDNN packed linear")
     if leanbody.native_loop() is None:
         pytest.skip(f"no native loop here: {leanbody.native_status()}")
-    model = make_tiny_lm(arch)
+    model = make_tiny_lm(arch).to(dtype)
     run = TargetRunner(model)
     lean = run.lean
     assert lean.native_ok
