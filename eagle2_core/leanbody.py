@@ -241,6 +241,9 @@ class LeanBody:
         self.native_ok = all(getattr(layer.self_attn, "q_norm", None) is None and type(layer.mlp.act_fn).__name__ in SILU
                              for layer in body.layers)
         self._packs: dict = {}  # row bucket -> (plan, epoch, products) for the native loop
+        # what the native loop reads besides the products, fixed for the model's life
+        self._qkv_bias = [b for _, _, b, _ in self.layers] if self.layers[0][2] is not None else []
+        self._norms = ([lay.input_layernorm.weight for lay, *_ in self.layers], [lay.post_attention_layernorm.weight for lay, *_ in self.layers])
 
     def _products(self, rows: int):
         """Every product's (kernel code, tensor) at this row count, by kind (qkv, o, gate_up,
@@ -288,9 +291,7 @@ class LeanBody:
         if native is not None:
             (qkv, o, gate_up, down), codes = products
             layer0 = self.layers[0][0]
-            return native.layers(h, cos, sin, mask, qkv, [qkv_b for _, _, qkv_b, _ in self.layers] if self.layers[0][2] is not None else [],
-                                 o, gate_up, down, codes, [lay.input_layernorm.weight for lay, *_ in self.layers],
-                                 [lay.post_attention_layernorm.weight for lay, *_ in self.layers], body.norm.weight,
+            return native.layers(h, cos, sin, mask, qkv, self._qkv_bias, o, gate_up, down, codes, *self._norms, body.norm.weight,
                                  layer0.input_layernorm.variance_epsilon, [c.keys for c in cache.layers], [c.values for c in cache.layers],
                                  int(cache.start), int(cache.view), nh, nkv, hd, layer0.self_attn.scaling)
         want = set(layers or ())

@@ -209,11 +209,15 @@ def kernel_for(x: torch.Tensor, weight: torch.Tensor) -> str:
     float32/bfloat16, inference, a packing at hand for `packed`), else `linear`."""
     # A captured cycle (graph mode, `--compile`) cannot trace the packing look-up (an opaque
     # oneDNN tensor found by id): it runs `linear` there, and inductor prepacks weights its own way.
-    if torch.compiler.is_compiling() or not eligible(weight) or x.dtype != weight.dtype:
+    return _kernel(x.numel() // max(1, x.shape[-1]), x.dtype, x.requires_grad, weight)
+
+
+def _kernel(rows: int, dtype: torch.dtype, input_grad: bool, weight: torch.Tensor) -> str:
+    if torch.compiler.is_compiling() or not eligible(weight) or dtype != weight.dtype:
         return "linear"
-    if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
+    if torch.is_grad_enabled() and (weight.requires_grad or input_grad):
         return "linear"  # training keeps linear's backward
-    k = PLAN.kernel(x.numel() // max(1, x.shape[-1]), weight)
+    k = PLAN.kernel(rows, weight)
     if k == "packed" and _packed_of(weight) is None:
         return "linear"
     return k
@@ -225,7 +229,7 @@ KERNEL_CODES = {"packed": 0, "linear": 1, "transposed": 2}  # leanbody's native 
 def product_choice(rows: int, weight: torch.Tensor) -> tuple[int, torch.Tensor]:
     """(kernel code, the tensor it reads) for a product of `rows` rows with `weight`: the plan's
     kernel as `kernel_for` picks it, with the packing for `packed` (leanbody's native loop)."""
-    k = kernel_for(weight.new_empty(rows, weight.shape[1]) if eligible(weight) else weight.new_empty(0), weight)
+    k = _kernel(rows, weight.dtype, False, weight)
     return (0, _packed_of(weight)) if k == "packed" else (KERNEL_CODES[k], weight)
 
 
