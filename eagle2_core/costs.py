@@ -24,11 +24,12 @@ from . import rowgemm
 VERIFY_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64)
 DRAFT_ROWS = (1, 2, 4, 8, 10)
 LM_HEAD_ROWS = (1, 2, 4, 8, 16, 32, 64)
-PROFILE_VERSION = 6  # 2: lm_head alone by rows (decides greedy acceptance's lm_head plan and the default tree);
+PROFILE_VERSION = 7  # 2: lm_head alone by rows (decides greedy acceptance's lm_head plan and the default tree);
                      # 3: every size to 8, timed in interleaved rounds (median), so drift hits all sizes alike;
                      # 4: rowgemm's few-row products against linear by rows (row_products), measured first;
                      # 5: every kernel (linear, transposed, oneDNN packed) per weight shape and rows (products),
                      #    and the time to stream the weights once (stream_floor_ms)
+                     # 7: our streaming kernel among them (rowgemm `stream`, native.py)
 CONTEXT = 64  # committed tokens in the cache while measuring: a typical short prompt
 
 
@@ -272,8 +273,9 @@ def product_weights(model, head) -> list[torch.Tensor]:
 def measure_products(weights: list[torch.Tensor], rows=PRODUCT_ROWS, reps: int = 5) -> dict:
     """{shape key: {rows: {kernel: ms}}} for this machine: each distinct weight shape timed as a
     run of the model's own weights of that shape (up to SAMPLE_BYTES, so the product streams
-    from memory as in a forward), by every kernel torch offers here: `linear`, `transposed`, and
-    `packed@H` for each packing hint H where oneDNN's packed linear exists. Empty on GPUs."""
+    from memory as in a forward), by every kernel offered here: `linear`, `transposed`, `stream` where
+    our native build exists and the shape fits it, and `packed@H` for each packing hint H where
+    oneDNN's packed linear exists. Empty on GPUs."""
     groups: dict[str, list[torch.Tensor]] = {}
     for w in weights:
         if rowgemm.eligible(w):
@@ -289,6 +291,10 @@ def measure_products(weights: list[torch.Tensor], rows=PRODUCT_ROWS, reps: int =
             for n in rows:
                 fns[(n, "linear")] = lambda n=n, ws=ws: [F.linear(x[:n], w) for w in ws]
                 fns[(n, "transposed")] = lambda n=n, ws=ws: [rowgemm.transposed_product(x[:n], w) for w in ws]
+            if rowgemm.stream_fits(ws[0]) and rowgemm.have_stream():
+                stream = rowgemm.native.module().stream_linear
+                for n in rows:
+                    fns[(n, "stream")] = lambda n=n, ws=ws: [stream(x[:n], w) for w in ws]
             if rowgemm.HAVE_PACKED:
                 for h in PACK_HINTS:
                     ps = [rowgemm.pack(w, h) for w in ws]
@@ -302,7 +308,7 @@ def measure_products(weights: list[torch.Tensor], rows=PRODUCT_ROWS, reps: int =
 def product_plan(products: dict) -> rowgemm.ProductPlan:
     """The plan from measured kernels: per shape, the one packing hint that does best over all
     row counts (by the sum of its ratios to the fastest), then per row count the fastest of
-    linear, transposed and that packing, linear keeping ties (ROW_WIN). Row buckets not timed
+    linear, transposed, stream and that packing, linear keeping ties (ROW_WIN). Row buckets not timed
     follow the next timed count up."""
     kernels, hints = {}, {}
     for key, by_rows in products.items():
@@ -313,7 +319,7 @@ def product_plan(products: dict) -> rowgemm.ProductPlan:
         chosen = {}
         for r in rows:
             t = by_rows[r]
-            cands = {"transposed": t["transposed"], **({"packed": t[hint]} if hint else {})}
+            cands = {k: t[k] for k in ("transposed", "stream") if k in t} | ({"packed": t[hint]} if hint else {})
             name = min(cands, key=cands.get)
             chosen[r] = name if cands[name] < ROW_WIN * t["linear"] else "linear"
         kernels[key] = {b: chosen[next((r for r in rows if r >= b), rows[-1])] for b in rowgemm.ROW_BUCKETS}

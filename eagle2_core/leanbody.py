@@ -27,7 +27,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from . import rowgemm
+from . import native, rowgemm
 from .rowgemm import linear_rows
 
 LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer", "Qwen3DecoderLayer"}
@@ -114,101 +114,24 @@ def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
 
 
 # -- the native layer loop ---------------------------------------------------------------------
-# The same layers in C++ (the ops are ATen's, the products oneDNN's packed linear, called with
-# the plan's packings): what remains of a forward once Python is out of it. On SmolLM2 (AMD EPYC
-# Zen 4, 2 cores) a forward of 1 / 6 / 16 rows took 25.3 / 26.7 / 35.4 ms against 34.3 / 34.3 /
-# 46.0 for the Python loop, bitwise the same (docs/benchmarks.md). Built once per machine with
-# torch's own extension builder (a C++ compiler and ninja; ~25 s, cached); where that fails the
-# Python loop runs. It serves the chat's hot path only: one sequence in live mode (its new K/V
+# The same layers in C++ (csrc/layers.cpp, built by native.py): what remains of a forward once
+# Python is out of it. It serves the chat's hot path only: one sequence in live mode (its new K/V
 # written as a slice), no EAGLE-3 layer capture; each product takes the plan's kernel, as in the
-# Python loop.
-NATIVE_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-using at::Tensor;
-
-static Tensor packed_linear(const Tensor& x, const Tensor& w, const Tensor* bias);
-
-// One product by the plan's kernel (rowgemm.KERNEL_CODES): 0 oneDNN packed, 1 F.linear, 2 W @ x.T.
-static Tensor product(const Tensor& x, const Tensor& w, int64_t kind, const Tensor* bias) {
-  if (kind == 0) return packed_linear(x, w, bias);
-  if (kind == 1) return bias ? at::linear(x, w, *bias) : at::linear(x, w);
-  auto out = at::mm(w, x.t()).t().contiguous();
-  return bias ? out.add_(*bias) : out;
-}
-
-static Tensor packed_linear(const Tensor& x, const Tensor& w, const Tensor* bias) {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack s;
-  s.emplace_back(x);
-  s.emplace_back(w);
-  if (bias) s.emplace_back(*bias); else s.emplace_back(c10::IValue());
-  s.emplace_back(std::string("none"));
-  s.emplace_back(c10::List<c10::optional<c10::Scalar>>());
-  s.emplace_back(std::string(""));
-  op.callBoxed(&s);
-  return s[0].toTensor();
-}
-
-// Llama's RMSNorm: torch's rms_norm in float32 (bitwise the same), the stock ops otherwise.
-static Tensor rms(const Tensor& x, const Tensor& w, double eps) {
-  if (x.scalar_type() == at::kFloat) return at::rms_norm(x, {x.size(-1)}, w, eps);
-  auto h = x.to(at::kFloat);
-  h = h * at::rsqrt(h.pow(2).mean(-1, true) + eps);
-  return w * h.to(x.scalar_type());
-}
-
-Tensor layers(Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& mask,
-              const std::vector<Tensor>& qkv, const std::vector<Tensor>& qkv_bias, const std::vector<Tensor>& o,
-              const std::vector<Tensor>& gate_up, const std::vector<Tensor>& down, const std::vector<int64_t>& kinds,
-              const std::vector<Tensor>& ln1, const std::vector<Tensor>& ln2, const Tensor& norm, double eps,
-              const std::vector<Tensor>& keys, const std::vector<Tensor>& values, int64_t start, int64_t view,
-              int64_t nh, int64_t nkv, int64_t hd, double scaling) {
-  const int64_t b = h.size(0), n = h.size(1), H = h.size(2);
-  for (size_t i = 0; i < qkv.size(); ++i) {
-    auto x = rms(h, ln1[i], eps).view({b * n, H});
-    auto t = product(x, qkv[i], kinds[4 * i], qkv_bias.empty() ? nullptr : &qkv_bias[i]).view({b, n, nh + 2 * nkv, hd});
-    auto qk = t.narrow(2, 0, nh + nkv);
-    qk = qk * cos + at::roll(qk, {hd / 2}, {-1}) * sin;
-    auto q = qk.narrow(2, 0, nh).transpose(1, 2);
-    keys[i].narrow(2, start, n).copy_(qk.narrow(2, nh, nkv).transpose(1, 2));
-    values[i].narrow(2, start, n).copy_(t.narrow(2, nh + nkv, nkv).transpose(1, 2));
-    auto K = keys[i].narrow(2, 0, view), V = values[i].narrow(2, 0, view);
-    Tensor a = (n == 1 && nkv < nh)
-        ? at::scaled_dot_product_attention(q.reshape({b, nkv, nh / nkv, hd}), K, V, mask, 0.0, false, scaling)
-        : at::scaled_dot_product_attention(q, K, V, mask, 0.0, false, scaling, nkv < nh);
-    a = a.reshape({b, nh, n, hd}).transpose(1, 2).reshape({b * n, nh * hd});
-    h = h + product(a, o[i], kinds[4 * i + 1], nullptr).view({b, n, H});
-    x = rms(h, ln2[i], eps).view({b * n, H});
-    auto gu = product(x, gate_up[i], kinds[4 * i + 2], nullptr).chunk(2, -1);
-    h = h + product(at::silu(gu[0]) * gu[1], down[i], kinds[4 * i + 3], nullptr).view({b, n, H});
-  }
-  return rms(h, norm, eps);
-}
-"""
-
-_NATIVE: dict = {}  # "module" (built) or "error" (why not), once per process
+# Python loop. Where the build fails the Python loop runs.
 
 
 def native_loop():
-    """The built native layer loop, or None (build failed, or `EAGLE2_BODY=python`)."""
-    if "module" not in _NATIVE and "error" not in _NATIVE:
-        if os.environ.get("EAGLE2_BODY", "").strip().lower() == "python":
-            _NATIVE["error"] = "EAGLE2_BODY=python"
-        else:
-            try:
-                from torch.utils.cpp_extension import load_inline
-
-                _NATIVE["module"] = load_inline("eagle2_leanbody", cpp_sources=NATIVE_SOURCE, functions=["layers"],
-                                                extra_cflags=["-O2"], verbose=False)
-            except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a header missing: the Python loop runs
-                _NATIVE["error"] = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-    return _NATIVE.get("module")
+    """The built native module (its `layers`), or None (no build here, or `EAGLE2_BODY=python`)."""
+    if os.environ.get("EAGLE2_BODY", "").strip().lower() == "python":
+        return None
+    return native.module()
 
 
 def native_status() -> str:
     """One line for `tune`: whether the native layer loop runs here."""
-    return "native layer loop" if native_loop() is not None else f"Python layer loop ({_NATIVE.get('error')})"
+    if os.environ.get("EAGLE2_BODY", "").strip().lower() == "python":
+        return "Python layer loop (EAGLE2_BODY=python)"
+    return "native layer loop" if native.module() is not None else f"Python layer loop ({native.status()})"
 
 
 def signed_sine(sin: torch.Tensor) -> torch.Tensor:

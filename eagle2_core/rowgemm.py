@@ -12,6 +12,10 @@ faster kernels for the same product, so which one runs is a *plan*, measured per
 - `packed`: oneDNN's linear on a weight reordered once into its blocked layout
   (`mkldnn._reorder_linear_weight`, the op inductor's weight prepacking emits). Private ops:
   probed at import, and the plan never offers them where they are missing or fail.
+- `stream`: our own kernel (csrc/products.cpp, built for the machine by native.py): the weight
+  streamed once in its own layout (no copy), 16 accumulators a tile; each output's sum in a
+  fixed order, so a row's result does not depend on the other rows. Offered where the build
+  works and the weight fits it (contiguous, rows a multiple of 16 values, 32 in bfloat16).
 
 The plan (`ProductPlan`) gives a kernel per weight shape, dtype and row bucket, measured by
 the cost profile (costs.measure_products) and installed here; every packing is made once, at
@@ -34,7 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KERNELS = ("linear", "transposed", "packed")
+from . import native
+
+KERNELS = ("linear", "transposed", "packed", "stream")
 ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # a product of r rows follows the first bucket >= r
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -54,6 +60,21 @@ def _probe_packed() -> bool:
 
 
 HAVE_PACKED = _probe_packed()
+
+
+def have_stream() -> bool:
+    """Whether our streaming kernel is built here (native.py; building it on first ask)."""
+    return native.module() is not None
+
+
+def stream_fits(weight: torch.Tensor) -> bool:
+    """Whether the streaming kernel takes this weight (its layout and row length)."""
+    step = 16 if weight.dtype == torch.float32 else 32
+    return eligible(weight) and weight.is_contiguous() and weight.shape[1] % step == 0
+
+
+def _offered(kernel: str) -> bool:
+    return kernel in KERNELS and (kernel != "packed" or HAVE_PACKED) and (kernel != "stream" or have_stream())
 
 
 def shape_key(weight: torch.Tensor) -> str:
@@ -112,8 +133,8 @@ class ProductPlan:
 
     @classmethod
     def from_json(cls, d: dict) -> "ProductPlan":
-        """A stored plan; a packed choice this torch cannot run reads as linear (a private op gone)."""
-        kernels = {k: {int(r): (v if v in KERNELS and (v != "packed" or HAVE_PACKED) else "linear") for r, v in by.items()}
+        """A stored plan; a choice this machine cannot run reads as linear (a private op gone, no build)."""
+        kernels = {k: {int(r): (v if _offered(v) else "linear") for r, v in by.items()}
                    for k, by in (d or {}).get("kernels", {}).items()}
         return cls(kernels, {k: int(v) for k, v in (d or {}).get("pack_hint", {}).items()})
 
@@ -124,6 +145,8 @@ def forced(kernel: str) -> ProductPlan:
         raise ValueError(f"EAGLE2_KERNEL: unknown kernel {kernel!r}; choose from {', '.join(KERNELS)} or measured")
     if kernel == "packed" and not HAVE_PACKED:
         raise ValueError("EAGLE2_KERNEL=packed: this torch build has no oneDNN packed linear")
+    if kernel == "stream" and not have_stream():
+        raise ValueError(f"EAGLE2_KERNEL=stream: eagle2's native code is {native.status()}")
     return ProductPlan(everywhere=kernel)
 
 
@@ -218,12 +241,12 @@ def _kernel(rows: int, dtype: torch.dtype, input_grad: bool, weight: torch.Tenso
     if torch.is_grad_enabled() and (weight.requires_grad or input_grad):
         return "linear"  # training keeps linear's backward
     k = PLAN.kernel(rows, weight)
-    if k == "packed" and _packed_of(weight) is None:
+    if (k == "packed" and _packed_of(weight) is None) or (k == "stream" and not (stream_fits(weight) and have_stream())):
         return "linear"
     return k
 
 
-KERNEL_CODES = {"packed": 0, "linear": 1, "transposed": 2}  # leanbody's native loop takes the kernel as a code
+KERNEL_CODES = {"packed": 0, "linear": 1, "transposed": 2, "stream": 3}  # leanbody's native loop takes the kernel as a code
 
 
 def product_choice(rows: int, weight: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -247,6 +270,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     k = kernel_for(x, weight)
     if k == "linear":
         return F.linear(x, weight, bias)
+    if k == "stream":
+        return native.module().stream_linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
     if k == "packed":
         out = packed_product(x2, _packed_of(weight), bias)

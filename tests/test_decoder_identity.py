@@ -148,7 +148,7 @@ def test_greedy_identity_for_both_lm_head_plans(arch_env, rows_cheap):
         assert max(rows_seen) < SHAPES["dynamic"].total_tokens and rows_seen.count(1) > len(arch_env["cases"])
 
 
-@pytest.mark.parametrize("kernel", ["transposed", "packed"])  # linear: every other identity test (the suite pins it)
+@pytest.mark.parametrize("kernel", ["transposed", "packed", "stream"])  # linear: every other identity test (the suite pins it)
 def test_greedy_identity_with_each_kernel_forced(arch_env, kernel, monkeypatch):
     """Every kernel the product plan may choose (rowgemm.py), forced for every product of the
     target and the head in turn (EAGLE2_KERNEL, which a measured plan cannot override), keeps
@@ -156,8 +156,8 @@ def test_greedy_identity_with_each_kernel_forced(arch_env, kernel, monkeypatch):
     from eagle2_core import rowgemm
     from eagle2_core.costs import product_weights
 
-    if kernel == "packed" and not rowgemm.HAVE_PACKED:
-        pytest.skip("this torch build has no oneDNN packed linear")
+    if not rowgemm._offered(kernel):
+        pytest.skip(f"{kernel} is not offered here (no oneDNN packed linear, or no native build)")
     monkeypatch.setenv("EAGLE2_KERNEL", kernel)
     before = rowgemm.PLAN
     rowgemm.install_plan(rowgemm.ProductPlan())

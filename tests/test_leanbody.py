@@ -153,7 +153,7 @@ def test_rms_norm_and_rotary_are_the_stock_arithmetic_bitwise(hidden):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kernel", ["linear", "transposed", "packed"])
+@pytest.mark.parametrize("kernel", ["linear", "transposed", "packed", "stream"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_the_native_loop_is_the_python_loop_bitwise(arch, kernel, dtype):
     """The native layer loop (C++ over the same ATen ops, each product by the plan's kernel) gives
@@ -162,8 +162,8 @@ def test_the_native_loop_is_the_python_loop_bitwise(arch, kernel, dtype):
     serve (a prefill row, a batch, EAGLE-3 layer capture)."""
     from eagle2_core import rowgemm
 
-    if kernel == "packed" and not rowgemm.HAVE_PACKED:
-        pytest.skip("this torch build has no oneDNN packed linear")
+    if not rowgemm._offered(kernel):
+        pytest.skip(f"{kernel} is not offered here")
     if leanbody.native_loop() is None:
         pytest.skip(f"no native loop here: {leanbody.native_status()}")
     model = make_tiny_lm(arch).to(dtype)

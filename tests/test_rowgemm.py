@@ -13,7 +13,8 @@ from eagle2_core import rowgemm
 from eagle2_core.rowgemm import ProductPlan, RowLinear, kernel_for, linear_rows, make_row_linears, plain_linears, row_linears
 
 needs_packed = pytest.mark.skipif(not rowgemm.HAVE_PACKED, reason="this torch build has no oneDNN packed linear")
-AVAILABLE = [k for k in rowgemm.KERNELS if k != "packed" or rowgemm.HAVE_PACKED]
+needs_stream = pytest.mark.skipif(not rowgemm.have_stream(), reason="eagle2's native code is not built here")
+AVAILABLE = [k for k in rowgemm.KERNELS if rowgemm._offered(k)]
 
 
 @pytest.fixture(autouse=True)
@@ -34,9 +35,9 @@ def plan_for(weight, by_rows: dict[int, str], hint: int = 16) -> ProductPlan:
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 64, 65])
 def test_every_kernel_matches_linear(kernel, dtype, rows):
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(48, 40, generator=g).to(dtype)
-    b = torch.randn(48, generator=g).to(dtype)
-    x = torch.randn(1, rows, 40, generator=g).to(dtype)  # batch dims are kept
+    w = torch.randn(50, 64, generator=g).to(dtype)  # 50: the streaming kernel's last block of weight rows is partial
+    b = torch.randn(50, generator=g).to(dtype)
+    x = torch.randn(1, rows, 64, generator=g).to(dtype)  # batch dims are kept
     plan = rowgemm.forced(kernel)
     rowgemm.prepare([w], plan)
     with rowgemm.using_plan(plan):
@@ -124,7 +125,7 @@ def test_without_the_private_ops_no_packed_kernel_is_offered(monkeypatch, tiny_l
     model = tiny_lm("llama")
     weights = costs.product_weights(model, None)
     products = costs.measure_products(weights, rows=(1, 4), reps=1)
-    assert products and all(set(t) == {"linear", "transposed"} for by in products.values() for t in by.values())
+    assert products and all(not any(k.startswith("packed") for k in t) for by in products.values() for t in by.values())
     assert "packed" not in {k for by in costs.product_plan(products).kernels.values() for k in by.values()}
     stored = ProductPlan.from_json({"kernels": {"48x40 float32": {"1": "packed", "2": "transposed"}}})
     assert stored.kernels["48x40 float32"] == {1: "linear", 2: "transposed"}
@@ -134,6 +135,53 @@ def test_without_the_private_ops_no_packed_kernel_is_offered(monkeypatch, tiny_l
     assert rowgemm.prepare(weights) == 0  # nothing packed
     x = torch.randn(2, weights[0].shape[1])
     torch.testing.assert_close(linear_rows(x, weights[0]), F.linear(x, weights[0]))
+
+
+@needs_stream
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stream_gives_each_row_the_same_bits_whatever_rows_share_it(dtype):
+    """The streaming kernel sums each output in one fixed order whatever its tile (16 x 1, 8 x 2,
+    4 x 4, a partial last block): a row's result does not depend on the other rows, so a token
+    verified inside a tree gets the bits it gets alone. (F.linear does not promise this.)"""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(70, 96, generator=g).to(dtype)
+    x = torch.randn(23, 96, generator=g).to(dtype)
+    stream = rowgemm.native.module().stream_linear
+    alone = torch.cat([stream(x[i : i + 1], w) for i in range(len(x))])
+    for rows in (2, 3, 4, 5, 7, 8, 16, 23):
+        assert torch.equal(stream(x[:rows], w), alone[:rows]), rows
+
+
+@needs_stream
+def test_stream_steps_aside_for_weights_it_does_not_take():
+    plan = rowgemm.forced("stream")
+    fits, odd, wide = torch.randn(48, 64), torch.randn(48, 40), torch.randn(64, 48)
+    x = torch.randn(3, 64)
+    with rowgemm.using_plan(plan):
+        assert kernel_for(x, fits) == "stream"
+        assert kernel_for(torch.randn(3, 40), odd) == "linear"        # rows not a multiple of 16 values
+        assert kernel_for(x, wide.t()) == "linear"                     # not contiguous
+        assert kernel_for(x.bfloat16(), torch.randn(48, 48).bfloat16()) == "linear"  # bfloat16 wants 32s
+        assert kernel_for(x.half(), fits.half()) == "linear"
+        torch.testing.assert_close(linear_rows(x, wide.t()), F.linear(x, wide.t()))
+
+
+def test_without_the_native_build_no_stream_kernel_is_offered(monkeypatch, tiny_lm):
+    from eagle2_core import costs, native
+
+    monkeypatch.setitem(native._STATE, "error", "no compiler (test)")
+    monkeypatch.delitem(native._STATE, "module", raising=False)
+    assert not rowgemm.have_stream() and "no compiler (test)" in native.status()
+    weights = costs.product_weights(tiny_lm("llama"), None)
+    products = costs.measure_products(weights, rows=(1, 4), reps=1)
+    assert products and not any("stream" in t for by in products.values() for t in by.values())
+    assert ProductPlan.from_json({"kernels": {"k": {"1": "stream"}}}).kernels["k"] == {1: "linear"}
+    with pytest.raises(ValueError, match="EAGLE2_KERNEL=stream: eagle2's native code is not built: no compiler"):
+        rowgemm.forced("stream")
+    with rowgemm.using_plan(ProductPlan(everywhere="stream")):
+        x = torch.randn(2, weights[0].shape[1])
+        assert kernel_for(x, weights[0]) == "linear"
+        torch.testing.assert_close(linear_rows(x, weights[0]), F.linear(x, weights[0]))
 
 
 def test_the_probe_says_no_when_the_op_is_missing(monkeypatch):
@@ -196,7 +244,11 @@ def test_products_are_measured_per_shape_for_target_and_head(tiny_lm):
     products = costs.measure_products(weights, rows=(1, 2), reps=1)
     assert set(products) == {rowgemm.shape_key(w) for w in weights}
     kinds = {"linear", "transposed"} | ({f"packed@{h}" for h in costs.PACK_HINTS} if rowgemm.HAVE_PACKED else set())
-    assert all(set(t) == kinds and all(v > 0 for v in t.values()) for by in products.values() for t in by.values())
+    streams = {"stream"} if rowgemm.have_stream() else set()
+    for key, by in products.items():
+        fits = rowgemm.stream_fits(next(w for w in weights if rowgemm.shape_key(w) == key))
+        assert all(set(t) == kinds | (streams if fits else set()) and all(v > 0 for v in t.values()) for t in by.values())
+    assert streams <= {k for by in products.values() for t in by.values() for k in t}  # the tiny model has shapes it takes
     assert costs.measure_products([w.half() for w in weights], reps=1) == {}  # float16: no candidate but linear
 
 
