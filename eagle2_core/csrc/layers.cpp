@@ -6,7 +6,12 @@
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+
 #include "products.h"
+#include "vec.h"
 using at::Tensor;
 
 static Tensor packed_linear(const Tensor& x, const Tensor& w, const Tensor* bias);
@@ -42,12 +47,136 @@ static Tensor rms(const Tensor& x, const Tensor& w, double eps) {
   return w * h.to(x.scalar_type());
 }
 
+// -- float32, one sequence: the arithmetic between the products in our own loops ---------------
+// In the ATen form above each layer runs ~40 small ops (norms, rotary, SDPA, slices, adds), each
+// a few microseconds of dispatch and allocation: on SmolLM2 they cost ~10 ms of a 26 ms one-row
+// verify whose products take 16 (issue 28). Here they are plain loops over the same buffers.
+// The arithmetic is the stock layer's; only the order of additions inside a sum (RMSNorm's mean,
+// attention's dot products and softmax) differs from ATen's, as between any two kernels.
+namespace fused {
+using namespace eagle2;
+
+// RMSNorm of n rows: w * (x * 1/sqrt(mean(x^2) + eps)), as Llama's (float32 inside).
+static void rms(const float* x, const float* w, float eps, int64_t n, int64_t H, float* out) {
+  for (int64_t r = 0; r < n; ++r) {
+    const float* xr = x + r * H;
+    const float inv = 1.0f / std::sqrt(dot(xr, xr, H) / static_cast<float>(H) + eps);
+    for (int64_t i = 0; i < H; ++i) out[r * H + i] = w[i] * (xr[i] * inv);
+  }
+}
+
+// Rotary on q and k of each row (x cos + roll(x, hd/2) signed_sin, as leanbody.rotary), q in
+// place, k and v written to the cache at slot start + r ([1, nkv, max, hd] each).
+static void rotary_and_store(float* t, const float* cos, const float* sin, int64_t n, int64_t nh, int64_t nkv,
+                             int64_t hd, float* keys, float* values, int64_t max_len, int64_t start) {
+  const int64_t T = (nh + 2 * nkv) * hd, half = hd / 2;
+  std::vector<float> tmp(hd);
+  for (int64_t r = 0; r < n; ++r) {
+    const float* c = cos + r * hd;
+    const float* s = sin + r * hd;
+    for (int64_t j = 0; j < nh + nkv; ++j) {
+      float* x = t + r * T + j * hd;
+      for (int64_t i = 0; i < hd; ++i) tmp[i] = x[i] * c[i] + x[(i + half) % hd] * s[i];
+      float* dst = j < nh ? x : keys + ((j - nh) * max_len + start + r) * hd;
+      std::memcpy(dst, tmp.data(), hd * sizeof(float));
+    }
+    for (int64_t g = 0; g < nkv; ++g)
+      std::memcpy(values + (g * max_len + start + r) * hd, t + r * T + (nh + nkv + g) * hd, hd * sizeof(float));
+  }
+}
+
+// Attention of each row's q heads over the first `view` cache slots: softmax(q.k * scale + mask) . v,
+// head h reading kv group h / (nh / nkv). Out: [n, nh * hd]. The mask is additive, [.., n, view].
+static void attend(const float* t, const float* keys, const float* values, const float* mask, int64_t mask_row,
+                   int64_t mask_col, int64_t n, int64_t nh, int64_t nkv, int64_t hd, int64_t max_len, int64_t view,
+                   float scale, float* out) {
+  const int64_t T = (nh + 2 * nkv) * hd, group = nh / nkv;
+  at::parallel_for(0, nh * n, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p(view);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t h = i / n, r = i % n;
+      const float* q = t + r * T + h * hd;
+      const float* K = keys + (h / group) * max_len * hd;
+      const float* V = values + (h / group) * max_len * hd;
+      const float* m = mask + r * mask_row;
+      float top = -INFINITY;
+      for (int64_t j = 0; j < view; ++j) {
+        p[j] = dot(q, K + j * hd, hd) * scale + m[j * mask_col];
+        top = std::max(top, p[j]);
+      }
+      float sum = 0.0f;
+      for (int64_t j = 0; j < view; ++j) sum += (p[j] = std::exp(p[j] - top));
+      float* o = out + r * nh * hd + h * hd;
+      int64_t d = 0;
+      for (; d + 16 <= hd; d += 16) {
+        v16 acc{};
+        for (int64_t j = 0; j < view; ++j) acc += p[j] * load(V + j * hd + d);
+        store(o + d, acc / sum);
+      }
+      for (; d < hd; ++d) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < view; ++j) acc += p[j] * V[j * hd + d];
+        o[d] = acc / sum;
+      }
+    }
+  });
+}
+
+static void add_into(float* h, const float* y, int64_t len) {
+  int64_t i = 0;
+  for (; i + 16 <= len; i += 16) store(h + i, load(h + i) + load(y + i));
+  for (; i < len; ++i) h[i] += y[i];
+}
+
+}  // namespace fused
+
+// Whether the float32 loops above take this forward (else the ATen form below runs).
+static bool fused_fits(const Tensor& h, const Tensor& mask, int64_t view) {
+  return h.scalar_type() == at::kFloat && h.size(0) == 1 && mask.scalar_type() == at::kFloat && mask.dim() == 4 && mask.size(2) == h.size(1) && mask.size(3) == view;
+}
+
+static Tensor fused_layers(Tensor h, const Tensor& cos_, const Tensor& sin_, const Tensor& mask,
+                           const std::vector<Tensor>& qkv, const std::vector<Tensor>& qkv_bias, const std::vector<Tensor>& o,
+                           const std::vector<Tensor>& gate_up, const std::vector<Tensor>& down, const std::vector<int64_t>& kinds,
+                           const std::vector<Tensor>& ln1, const std::vector<Tensor>& ln2, const Tensor& norm, double eps,
+                           const std::vector<Tensor>& keys, const std::vector<Tensor>& values, int64_t start, int64_t view,
+                           int64_t nh, int64_t nkv, int64_t hd, double scaling) {
+  const int64_t n = h.size(1), H = h.size(2);
+  h = h.contiguous();  // the residual stream (the embedding's fresh output), added into in place
+  auto cos = cos_.contiguous(), sin = sin_.contiguous();
+  auto x = at::empty({n, H}, h.options());
+  auto a = at::empty({n, nh * hd}, h.options());
+  float* hp = h.data_ptr<float>();
+  const float* mp = mask.data_ptr<float>();
+  for (size_t i = 0; i < qkv.size(); ++i) {
+    fused::rms(hp, ln1[i].data_ptr<float>(), static_cast<float>(eps), n, H, x.data_ptr<float>());
+    auto t = product(x, qkv[i], kinds[4 * i], qkv_bias.empty() ? nullptr : &qkv_bias[i]).contiguous();
+    const int64_t max_len = keys[i].size(2);
+    fused::rotary_and_store(t.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), n, nh, nkv, hd,
+                            keys[i].data_ptr<float>(), values[i].data_ptr<float>(), max_len, start);
+    fused::attend(t.data_ptr<float>(), keys[i].data_ptr<float>(), values[i].data_ptr<float>(), mp, mask.stride(2),
+                  mask.stride(3), n, nh, nkv, hd, max_len, view, static_cast<float>(scaling), a.data_ptr<float>());
+    fused::add_into(hp, product(a, o[i], kinds[4 * i + 1], nullptr).contiguous().data_ptr<float>(), n * H);
+    fused::rms(hp, ln2[i].data_ptr<float>(), static_cast<float>(eps), n, H, x.data_ptr<float>());
+    auto gu = product(x, gate_up[i], kinds[4 * i + 2], nullptr).view({n, -1});
+    const int64_t I = gu.size(1) / 2;
+    auto act = at::silu(gu.narrow(1, 0, I)).mul_(gu.narrow(1, I, I));  // ATen's: its silu is vectorized
+    fused::add_into(hp, product(act, down[i], kinds[4 * i + 3], nullptr).contiguous().data_ptr<float>(), n * H);
+  }
+  auto out = at::empty_like(h);
+  fused::rms(hp, norm.data_ptr<float>(), static_cast<float>(eps), n, H, out.data_ptr<float>());
+  return out;
+}
+
 Tensor layers(Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& mask,
               const std::vector<Tensor>& qkv, const std::vector<Tensor>& qkv_bias, const std::vector<Tensor>& o,
               const std::vector<Tensor>& gate_up, const std::vector<Tensor>& down, const std::vector<int64_t>& kinds,
               const std::vector<Tensor>& ln1, const std::vector<Tensor>& ln2, const Tensor& norm, double eps,
               const std::vector<Tensor>& keys, const std::vector<Tensor>& values, int64_t start, int64_t view,
               int64_t nh, int64_t nkv, int64_t hd, double scaling) {
+  if (fused_fits(h, mask, view) && keys[0].is_contiguous() && values[0].is_contiguous())
+    return fused_layers(h, cos, sin, mask, qkv, qkv_bias, o, gate_up, down, kinds, ln1, ln2, norm, eps, keys, values, start,
+                        view, nh, nkv, hd, scaling);
   const int64_t b = h.size(0), n = h.size(1), H = h.size(2);
   for (size_t i = 0; i < qkv.size(); ++i) {
     auto x = rms(h, ln1[i], eps).view({b * n, H});

@@ -13,34 +13,22 @@
 // pairwise: l + l+8, + 4, + 2, + 1): a row's result does not depend on which other rows share
 // the product, so a token verified in a tree of 12 gets the bits it gets alone.
 //
-// Written with the compiler's vector extensions, not intrinsics: the same source becomes
-// AVX-512, AVX2 or NEON code for the machine it is built on (native.py builds it there).
+// Written with the compiler's vector extensions (vec.h), not intrinsics.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstring>
 
 #include "products.h"
+#include "vec.h"
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef unsigned int u32x16 __attribute__((vector_size(64)));
-
-inline v16 load(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
-
-// Sum of each accumulator's lanes in the fixed order above; lane i of the result is acc[i]'s.
-inline float lane_sum(v16 v) {
-  float s[16];
-  std::memcpy(s, &v, sizeof s);
-  float a[8], b[4];
-  for (int i = 0; i < 8; ++i) a[i] = s[i] + s[i + 8];
-  for (int i = 0; i < 4; ++i) b[i] = a[i] + a[i + 4];
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
+using namespace eagle2;
 
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
 #define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-// The 16 lane sums at once, by shuffles (the same additions as lane_sum, in the same order).
+// The 16 accumulators' lane sums at once, by shuffles (the same additions as lane_sum, in the
+// same order); lane i of the result is acc[i]'s.
 inline void lane_sums(const v16* acc, float* out) {
   v16 s1[8], s2[4], s3[2];
   for (int i = 0; i < 8; ++i)  // l + l+8: acc 2i | acc 2i+1, 8 lanes each
