@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import rowgemm
+from . import leanbody, rowgemm
 
 # Every small size: row counts of one parity can cost more than the next larger one (oneDNN's
 # few-row kernels measured 3 rows dearer than 4 and 7 dearer than 8 on an AVX2 Zen 3).
@@ -133,8 +133,6 @@ def profile_key(model, head) -> dict:
 def _body_label(run) -> str:
     """Which target body the costs were measured on: the stock forward, the lean body's Python
     layer loop, or its native loop (built here on first use: leanbody.native_loop)."""
-    from . import leanbody
-
     if run.lean is None:
         return "stock"
     return "lean, native loop" if run.lean.native_ok and leanbody.native_loop() is not None else "lean"
@@ -247,7 +245,8 @@ ROW_WIN = 0.97  # another kernel replaces linear only below this share of linear
 
 def product_weights(model, head) -> list[torch.Tensor]:
     """Every weight our forwards put through rowgemm: the target's CPU linears (body and
-    lm_head) and the draft head's, each once (a tied lm_head is the embedding's tensor)."""
+    lm_head) and the draft head's (with the fused q/k/v and gate/up its native draft step reads),
+    each once (a tied lm_head is the embedding's tensor)."""
     from .target import TargetRunner
 
     run = TargetRunner(model)
@@ -255,7 +254,7 @@ def product_weights(model, head) -> list[torch.Tensor]:
     if type(run.lm_head) is torch.nn.Linear:
         ws.append(run.lm_head.weight)
     if head is not None:
-        ws += [m.weight for m in rowgemm.plain_linears(head)]
+        ws += [m.weight for m in rowgemm.plain_linears(head)] + leanbody.head_weights(head)  # + its native step's fused copies
         try:  # an EAGLE-1/2 head scores with the target's lm_head (pruned or not) once bound to it
             extra = head.lm_head.weight if getattr(head, "kind", "") == "eagle3" else head.draft_lm_head
         except (AttributeError, TypeError):  # not bound to a target yet

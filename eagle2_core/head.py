@@ -26,6 +26,7 @@ from transformers import LlamaConfig, Qwen2Config
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
+from . import leanbody
 from .rowgemm import linear_rows, make_row_linears
 from .target import text_config
 
@@ -237,6 +238,9 @@ class DraftHead(BaseHead):
             emb = self.embed(input_ids)
         x = self.fc(torch.cat([emb.to(features.dtype), features], dim=-1))
         pos = self.rotary_emb(x, position_ids)
+        fast = leanbody.head_layer(self, x, pos, attention_mask, cache)  # a draft step on a CPU: the native loop
+        if fast is not None:
+            return fast
         for layer in self.layers:
             x = layer(x, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                       use_cache=cache is not None, position_embeddings=pos)

@@ -134,6 +134,86 @@ def native_status() -> str:
     return "native layer loop" if native.module() is not None else f"Python layer loop ({native.status()})"
 
 
+# -- the draft head's layer through the same native loop -------------------------------------------
+# A draft step (EAGLE-2 section 4.1: one head forward per tree level) is one decoder layer over a
+# few rows, then the draft lm_head. Through the stock transformers layer it cost ~3.8 ms on SmolLM2
+# where its weights stream in ~1.6 (issue 28): the same native loop runs it, one layer with no
+# input norm and no final norm (EAGLE's head has neither). Its q/k/v and gate/up are read as one
+# product each from a fused copy (9 MB on SmolLM2's head; the head's parameters, its checkpoint
+# format and training are untouched), made once and again only if the weights change.
+_HEADS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_NO_NORM = torch.empty(0)
+
+
+def head_weights(head) -> list[torch.Tensor]:
+    """The fused copies the native draft step reads (qkv, gate_up), made here if due: what the
+    product plan measures and packs beside the head's own weights. Empty where it does not apply."""
+    got = _head_fused(head)
+    return [got[1], got[3]] if got else []
+
+
+def _head_fused(head):
+    layers = getattr(head, "layers", None)
+    if layers is None or len(layers) != 1 or not wanted():
+        return None
+    layer = layers[0]
+    if type(layer).__name__ not in LAYERS or type(layer.input_layernorm).__name__ != "Identity" \
+            or getattr(layer.self_attn, "q_norm", None) is not None or type(layer.mlp.act_fn).__name__ not in SILU:
+        return None
+    a, m = layer.self_attn, layer.mlp
+    lins = [a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj]
+    w0 = a.q_proj.weight
+    if w0.device.type != "cpu" or w0.dtype not in DTYPES or any(type(x) not in (torch.nn.Linear, rowgemm.RowLinear) for x in lins):
+        return None
+    key = tuple((x.weight.data_ptr(), x.weight._version) for x in lins) + tuple(
+        (x.bias.data_ptr(), x.bias._version) for x in lins[:3] if x.bias is not None)
+    got = _HEADS.get(head)
+    if got is None or got[0] != key:
+        with torch.no_grad():
+            qkv = torch.cat([x.weight.detach() for x in lins[:3]])
+            bias = torch.cat([x.bias.detach() for x in lins[:3]]) if a.q_proj.bias is not None else None
+            gate_up = torch.cat([x.weight.detach() for x in lins[3:]])
+        got = _HEADS[head] = (key, qkv, bias, gate_up)
+    return got
+
+
+def head_layer(head, x: torch.Tensor, position_embeddings, mask, cache) -> torch.Tensor | None:
+    """The head's one layer over `x` [1, m, H] through the native loop, writing its K/V at the
+    cache's slots, or None where this step is not one it serves (then the stock layer runs):
+    one sequence whose new slots are one run after the context (a draft step in live mode), no
+    gradient, not captured, a native build at hand."""
+    if x.shape[0] != 1 or cache is None or torch.is_grad_enabled() or torch.compiler.is_compiling() \
+            or not isinstance(mask, torch.Tensor) or cache.row is not None or not cache.layers[0].is_initialized:
+        return None
+    slots = cache.slots
+    if slots is None or slots.dim() != 2 or slots.device.type != "cpu":
+        return None
+    m = x.shape[1]
+    start = int(slots[0, 0])
+    if not torch.equal(slots[0], torch.arange(start, start + m)):
+        return None
+    fused = _head_fused(head)
+    loop = native_loop() if fused is not None else None
+    if loop is None or x.dtype != fused[1].dtype:
+        return None
+    _, qkv, qkv_bias, gate_up = fused
+    layer = head.layers[0]
+    a, mlp = layer.self_attn, layer.mlp
+    codes = []
+    tensors = []
+    for w in (qkv, a.o_proj.weight, gate_up, mlp.down_proj.weight):
+        code, t = rowgemm.product_choice(m, w)
+        codes.append(code)
+        tensors.append(t)
+    cos, sin = position_embeddings
+    hd = a.head_dim
+    nh, nkv = a.q_proj.out_features // hd, a.k_proj.out_features // hd
+    c = cache.layers[0]
+    return loop.layers(x, cos[:, :, None], signed_sine(sin)[:, :, None], mask, [tensors[0]], [qkv_bias] if qkv_bias is not None else [],
+                       [tensors[1]], [tensors[2]], [tensors[3]], codes, [_NO_NORM], [layer.post_attention_layernorm.weight], _NO_NORM,
+                       layer.post_attention_layernorm.variance_epsilon, [c.keys], [c.values], start, int(cache.view), nh, nkv, hd, a.scaling)
+
+
 def signed_sine(sin: torch.Tensor) -> torch.Tensor:
     """The rotary sine with its first half negated: `rotary` then needs no negation."""
     half = sin.shape[-1] // 2

@@ -208,3 +208,63 @@ def test_the_native_loop_is_the_python_loop(arch, kernel, dtype):
             assert torch.equal(a, b)
         else:  # float32: our own loops between the products (csrc/layers.cpp), sums in another order
             torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama/64"])
+def test_the_draft_heads_native_step_is_its_stock_layer(arch, dtype, monkeypatch):
+    """A draft step (one head layer over a tree level's rows, written after the context) through
+    the native loop gives the stock transformers layer's states and head cache: bit for bit in
+    bfloat16, to rounding in float32; the absorb of a prompt (no cache yet) and a step whose slots
+    are not one run keep the stock layer. The fused copies follow the head's weights."""
+    from eagle2_core.head import DraftHead, HeadSpec
+    from eagle2_core.tree import additive
+
+    if leanbody.native_loop() is None:
+        pytest.skip(f"no native loop here: {leanbody.native_status()}")
+    arch, _, hidden = arch.partition("/")
+    model = make_tiny_lm(arch, hidden_size=int(hidden or 32)).to(dtype)
+    torch.manual_seed(0)
+    head = DraftHead(HeadSpec.for_target(model.config)).eval().bind(model)
+    H = model.config.hidden_size
+    feats = torch.randn(1, 9, H).to(dtype)
+    ids = torch.tensor([[1, 4, 2, 8, 5, 7, 3, 5, 7]])
+    seen = []
+    real = leanbody.head_layer
+
+    def counted(*a):
+        got = real(*a)
+        seen.append(got is not None)
+        return got
+
+    monkeypatch.setattr(leanbody, "head_layer", counted)
+
+    def run(native: bool):
+        monkeypatch.setattr(leanbody, "native_loop", leanbody.native.module if native else (lambda: None))
+        cache = KVCache(1, 1, 16)
+        with torch.no_grad():
+            cache.slots, cache.view = torch.arange(6)[None], 6  # the prompt's pairs: no cache yet, the stock layer
+            head(ids[:, :6], feats[:, :6], torch.arange(6)[None], attention_mask=additive(causal_rows(torch.arange(6)[None], 6), dtype), cache=cache)
+            depth, anc = batch_trees(torch.tensor([[-1, 0, 0]]), 3)
+            cache.slots, cache.view = 6 + torch.arange(3)[None], 9
+            mask = additive(context_and_tree(torch.tensor([6]), anc[:, :3, :3], 9), dtype)
+            out = head(ids[:, 6:], feats[:, 6:], 6 + depth, attention_mask=mask, cache=cache)
+            cache.slots = torch.tensor([[9, 11, 10]])  # not one run: the stock layer
+            cache.view = 12
+            mask2 = additive(context_and_tree(torch.tensor([9]), anc[:, :3, :3], 12), dtype)
+            out2 = head(ids[:, 6:], feats[:, 6:], 9 + depth, attention_mask=mask2, cache=cache)
+        return out, out2, cache.layers[0].keys.clone(), cache.layers[0].values.clone()
+
+    stock = run(False)
+    seen.clear()
+    fast = run(True)
+    assert seen == [False, True, False]
+    for a, b in zip(stock, fast):
+        if dtype == torch.bfloat16:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+    qkv = leanbody.head_weights(head)[0]
+    with torch.no_grad():
+        head.layers[0].self_attn.k_proj.weight.mul_(2.0)  # a training step: the copy is made again
+    assert not torch.equal(leanbody.head_weights(head)[0], qkv)

@@ -39,8 +39,10 @@ static Tensor packed_linear(const Tensor& x, const Tensor& w, const Tensor* bias
   return s[0].toTensor();
 }
 
-// Llama's RMSNorm: torch's rms_norm in float32 (bitwise the same), the stock ops otherwise.
+// Llama's RMSNorm: torch's rms_norm in float32 (bitwise the same), the stock ops otherwise. An
+// empty weight is no norm (an EAGLE draft head's layer has no input norm and no final norm).
 static Tensor rms(const Tensor& x, const Tensor& w, double eps) {
+  if (w.numel() == 0) return x;
   if (x.scalar_type() == at::kFloat) return at::rms_norm(x, {x.size(-1)}, w, eps);
   auto h = x.to(at::kFloat);
   h = h * at::rsqrt(h.pow(2).mean(-1, true) + eps);
@@ -56,8 +58,12 @@ static Tensor rms(const Tensor& x, const Tensor& w, double eps) {
 namespace fused {
 using namespace eagle2;
 
-// RMSNorm of n rows: w * (x * 1/sqrt(mean(x^2) + eps)), as Llama's (float32 inside).
+// RMSNorm of n rows: w * (x * 1/sqrt(mean(x^2) + eps)), as Llama's (float32 inside); no weight: a copy.
 static void rms(const float* x, const float* w, float eps, int64_t n, int64_t H, float* out) {
+  if (w == nullptr) {
+    std::memcpy(out, x, n * H * sizeof(float));
+    return;
+  }
   for (int64_t r = 0; r < n; ++r) {
     const float* xr = x + r * H;
     const float inv = 1.0f / std::sqrt(dot(xr, xr, H) / static_cast<float>(H) + eps);
@@ -135,6 +141,8 @@ static bool fused_fits(const Tensor& h, const Tensor& mask, int64_t view) {
   return h.scalar_type() == at::kFloat && h.size(0) == 1 && mask.scalar_type() == at::kFloat && mask.dim() == 4 && mask.size(2) == h.size(1) && mask.size(3) == view;
 }
 
+static const float* weight_or_null(const Tensor& w) { return w.numel() ? w.data_ptr<float>() : nullptr; }
+
 static Tensor fused_layers(Tensor h, const Tensor& cos_, const Tensor& sin_, const Tensor& mask,
                            const std::vector<Tensor>& qkv, const std::vector<Tensor>& qkv_bias, const std::vector<Tensor>& o,
                            const std::vector<Tensor>& gate_up, const std::vector<Tensor>& down, const std::vector<int64_t>& kinds,
@@ -142,14 +150,14 @@ static Tensor fused_layers(Tensor h, const Tensor& cos_, const Tensor& sin_, con
                            const std::vector<Tensor>& keys, const std::vector<Tensor>& values, int64_t start, int64_t view,
                            int64_t nh, int64_t nkv, int64_t hd, double scaling) {
   const int64_t n = h.size(1), H = h.size(2);
-  h = h.contiguous();  // the residual stream (the embedding's fresh output), added into in place
+  h = h.clone(at::MemoryFormat::Contiguous);  // the residual stream, added into in place (the caller's stays)
   auto cos = cos_.contiguous(), sin = sin_.contiguous();
   auto x = at::empty({n, H}, h.options());
   auto a = at::empty({n, nh * hd}, h.options());
   float* hp = h.data_ptr<float>();
   const float* mp = mask.data_ptr<float>();
   for (size_t i = 0; i < qkv.size(); ++i) {
-    fused::rms(hp, ln1[i].data_ptr<float>(), static_cast<float>(eps), n, H, x.data_ptr<float>());
+    fused::rms(hp, weight_or_null(ln1[i]), static_cast<float>(eps), n, H, x.data_ptr<float>());
     auto t = product(x, qkv[i], kinds[4 * i], qkv_bias.empty() ? nullptr : &qkv_bias[i]).contiguous();
     const int64_t max_len = keys[i].size(2);
     fused::rotary_and_store(t.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), n, nh, nkv, hd,
@@ -157,12 +165,13 @@ static Tensor fused_layers(Tensor h, const Tensor& cos_, const Tensor& sin_, con
     fused::attend(t.data_ptr<float>(), keys[i].data_ptr<float>(), values[i].data_ptr<float>(), mp, mask.stride(2),
                   mask.stride(3), n, nh, nkv, hd, max_len, view, static_cast<float>(scaling), a.data_ptr<float>());
     fused::add_into(hp, product(a, o[i], kinds[4 * i + 1], nullptr).contiguous().data_ptr<float>(), n * H);
-    fused::rms(hp, ln2[i].data_ptr<float>(), static_cast<float>(eps), n, H, x.data_ptr<float>());
+    fused::rms(hp, weight_or_null(ln2[i]), static_cast<float>(eps), n, H, x.data_ptr<float>());
     auto gu = product(x, gate_up[i], kinds[4 * i + 2], nullptr).view({n, -1});
     const int64_t I = gu.size(1) / 2;
     auto act = at::silu(gu.narrow(1, 0, I)).mul_(gu.narrow(1, I, I));  // ATen's: its silu is vectorized
     fused::add_into(hp, product(act, down[i], kinds[4 * i + 3], nullptr).contiguous().data_ptr<float>(), n * H);
   }
+  if (norm.numel() == 0) return h;
   auto out = at::empty_like(h);
   fused::rms(hp, norm.data_ptr<float>(), static_cast<float>(eps), n, H, out.data_ptr<float>());
   return out;
