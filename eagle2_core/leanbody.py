@@ -181,8 +181,9 @@ def head_layer(head, x: torch.Tensor, position_embeddings, mask, cache) -> torch
     """The head's one layer over `x` [1, m, H] through the native loop, writing its K/V at the
     cache's slots, or None where this step is not one it serves (then the stock layer runs):
     one sequence whose new slots are one run after the context (a draft step in live mode), no
-    gradient, not captured, a native build at hand."""
-    if x.shape[0] != 1 or cache is None or torch.is_grad_enabled() or torch.compiler.is_compiling() \
+    gradient, not captured or fixed (a fixed cycle reads nothing back to the host), a native build
+    at hand."""
+    if x.shape[0] != 1 or cache is None or cache.static or torch.is_grad_enabled() or torch.compiler.is_compiling() \
             or not isinstance(mask, torch.Tensor) or cache.row is not None or not cache.layers[0].is_initialized:
         return None
     slots = cache.slots
