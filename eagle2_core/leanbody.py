@@ -148,7 +148,7 @@ _NO_NORM = torch.empty(0)
 def head_weights(head) -> list[torch.Tensor]:
     """The fused copies the native draft step reads (qkv, gate_up), made here if due: what the
     product plan measures and packs beside the head's own weights. Empty where it does not apply."""
-    got = _head_fused(head)
+    got = _head_fused(head) if native_loop() is not None else None
     return [got[1], got[3]] if got else []
 
 
