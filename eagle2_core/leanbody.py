@@ -183,8 +183,9 @@ def head_layer(head, x: torch.Tensor, position_embeddings, mask, cache) -> torch
     one sequence whose new slots are one run after the context (a draft step in live mode), no
     gradient, not captured or fixed (a fixed cycle reads nothing back to the host), a native build
     at hand."""
-    if x.shape[0] != 1 or cache is None or cache.static or torch.is_grad_enabled() or torch.compiler.is_compiling() \
-            or not isinstance(mask, torch.Tensor) or cache.row is not None or not cache.layers[0].is_initialized:
+    # our KVCache only (training and other callers pass transformers' caches): live, one row, slots known
+    if x.shape[0] != 1 or getattr(cache, "static", True) or getattr(cache, "row", 0) is not None or torch.is_grad_enabled() \
+            or torch.compiler.is_compiling() or not isinstance(mask, torch.Tensor) or not cache.layers[0].is_initialized:
         return None
     slots = cache.slots
     if slots is None or slots.dim() != 2 or slots.device.type != "cpu":
