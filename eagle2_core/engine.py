@@ -741,7 +741,9 @@ class Engine:
         run = self.runner
         if self.eos_ids is None:
             self.eos_ids = model_eos_ids(run.model, self.tokenizer)  # once: a tokenizer's vocabulary is slow to read
-        longest = max((len(r.ids) + r.gen.max_new_tokens for r in queue), default=64)
+        # what `admit` asks of the cache: the prompt, every new token and one more slot (else the
+        # first admit doubles every K/V buffer: 4 s of a 27 s prompt-file run at batch 32)
+        longest = max((len(r.ids) + r.gen.max_new_tokens + 1 for r in queue), default=64)
         cycle = self._cycle_for(min(run.max_positions, longest))
 
         def finish(b: int):

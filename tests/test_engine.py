@@ -538,3 +538,21 @@ def test_a_random_head_stops_drafting_and_stays_lossless(llama, batch):
     print(f"\n[random head] B={batch}: plain from cycle {stats['plain_from_cycle']} of {stats['cycles']}, tree sizes {stats['tree_sizes']}")
     assert stats["plain_from_cycle"] is not None and stats["plain_from_cycle"] <= 2 * engine.chooser.patience
     assert stats["tree_sizes"].get(1, 0) > stats["cycles"] // 2  # most cycles ran plain
+
+
+@pytest.mark.parametrize("mode", ["live", "plain"])
+def test_a_run_sizes_its_cache_once(tiny_lm, fitted_head, monkeypatch, mode):
+    """A run's cache is made at the size its longest request needs, so no admit grows it: growing
+    copies every K/V buffer into a new one twice the size (seconds for a prompt file at batch 32)."""
+    from eagle2_core.engine import KVCache
+
+    e = make_env("llama", tiny_lm, fitted_head)
+    grown = []
+    real = KVCache.grow
+    monkeypatch.setattr(KVCache, "grow", lambda self, cap: grown.append(cap) or real(self, cap))
+    engine = make_engine(e["model"], e["head"], mode, 3)
+    cases = [dict(c, n=min(c["n"], 4)) for c in e["cases"] if len(c["ids"]) + 4 + 1 < MAXPOS // 2][:5]  # far from the context limit
+    assert len(cases) >= 3
+    out = run_all(engine, requests(cases))
+    assert all(out[i][0] == c["ref"][: len(out[i][0])] and len(out[i][0]) > 0 for i, c in enumerate(cases))
+    assert grown == []
