@@ -38,9 +38,19 @@ SILU = {"SiLU", "SiLUActivation"}  # torch's and transformers' names for the sam
 _BODIES: "weakref.WeakKeyDictionary[torch.nn.Module, LeanBody]" = weakref.WeakKeyDictionary()
 
 
+def _body_env() -> str:
+    return os.environ.get("EAGLE2_BODY", "").strip().lower()
+
+
 def wanted() -> bool:
     """`EAGLE2_BODY=stock` keeps the stock transformers body everywhere."""
-    return os.environ.get("EAGLE2_BODY", "").strip().lower() not in ("stock", "hf", "0", "off")
+    return _body_env() not in ("stock", "hf", "0", "off")
+
+
+def heads_of(attn) -> tuple[int, int, int]:
+    """(head_dim, query heads, key/value heads) of a Llama-family attention module."""
+    hd = attn.head_dim
+    return hd, attn.q_proj.out_features // hd, attn.k_proj.out_features // hd
 
 
 def why_not(body, config) -> str | None:
@@ -122,14 +132,12 @@ def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
 
 def native_loop():
     """The built native module (its `layers`), or None (no build here, or `EAGLE2_BODY=python`)."""
-    if os.environ.get("EAGLE2_BODY", "").strip().lower() == "python":
-        return None
-    return native.module()
+    return None if _body_env() == "python" else native.module()
 
 
 def native_status() -> str:
     """One line for `tune`: whether the native layer loop runs here."""
-    if os.environ.get("EAGLE2_BODY", "").strip().lower() == "python":
+    if _body_env() == "python":
         return "Python layer loop (EAGLE2_BODY=python)"
     return "native layer loop" if native.module() is not None else f"Python layer loop ({native.status()})"
 
@@ -208,8 +216,7 @@ def head_layer(head, x: torch.Tensor, position_embeddings, mask, cache) -> torch
         codes.append(code)
         tensors.append(t)
     cos, sin = position_embeddings
-    hd = a.head_dim
-    nh, nkv = a.q_proj.out_features // hd, a.k_proj.out_features // hd
+    hd, nh, nkv = heads_of(a)
     c = cache.layers[0]
     return loop.layers(x, cos[:, :, None], signed_sine(sin)[:, :, None], mask, [tensors[0]], [qkv_bias] if qkv_bias is not None else [],
                        [tensors[1]], [tensors[2]], [tensors[3]], codes, [_NO_NORM], [layer.post_attention_layernorm.weight], _NO_NORM,
@@ -232,9 +239,7 @@ class LeanBody:
     def __init__(self, body, config):
         self.body = body
         a0 = body.layers[0].self_attn
-        self.head_dim = a0.head_dim
-        self.n_heads = a0.q_proj.out_features // self.head_dim
-        self.n_kv = a0.k_proj.out_features // self.head_dim
+        self.head_dim, self.n_heads, self.n_kv = heads_of(a0)
         self.layer_types = list(getattr(config, "layer_types", None) or [])
         self.layers = []
         for layer in body.layers:
