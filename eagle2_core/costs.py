@@ -24,12 +24,13 @@ from . import leanbody, rowgemm
 VERIFY_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64)
 DRAFT_ROWS = (1, 2, 4, 8, 10)
 LM_HEAD_ROWS = (1, 2, 4, 8, 16, 32, 64)
-PROFILE_VERSION = 7  # 2: lm_head alone by rows (decides greedy acceptance's lm_head plan and the default tree);
+PROFILE_VERSION = 8  # 2: lm_head alone by rows (decides greedy acceptance's lm_head plan and the default tree);
                      # 3: every size to 8, timed in interleaved rounds (median), so drift hits all sizes alike;
                      # 4: rowgemm's few-row products against linear by rows (row_products), measured first;
                      # 5: every kernel (linear, transposed, oneDNN packed) per weight shape and rows (products),
                      #    and the time to stream the weights once (stream_floor_ms)
                      # 7: our streaming kernel among them (rowgemm `stream`, native.py)
+                     # 8: the streaming kernel prefetches the next weights while a tile computes (other costs)
 CONTEXT = 64  # committed tokens in the cache while measuring: a typical short prompt
 
 

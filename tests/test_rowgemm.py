@@ -140,8 +140,8 @@ def test_without_the_private_ops_no_packed_kernel_is_offered(monkeypatch, tiny_l
 @needs_stream
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stream_gives_each_row_the_same_bits_whatever_rows_share_it(dtype):
-    """The streaming kernel sums each output in one fixed order whatever its tile (16 x 1, 8 x 2,
-    4 x 4, a partial last block): a row's result does not depend on the other rows, so a token
+    """The streaming kernel sums each output in one fixed order whatever its tile (6 or 4 weight
+    rows x 1-4 input rows, a partial last block): a row's result does not depend on the other rows, so a token
     verified inside a tree gets the bits it gets alone. (F.linear does not promise this.)"""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(70, 96, generator=g).to(dtype)
