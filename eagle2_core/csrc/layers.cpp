@@ -26,6 +26,15 @@ static Tensor product(const Tensor& x, const Tensor& w, int64_t kind, const Tens
   return bias ? out.add_(*bias) : out;
 }
 
+// The same into a work buffer: ours writes there, the others' results are copied in.
+static const Tensor& product_into(const Tensor& x, const Tensor& w, int64_t kind, const Tensor* bias, Tensor& out) {
+  if (kind == 3 && w.scalar_type() == at::kFloat)
+    stream_into(x, w, bias, out);
+  else
+    out.copy_(product(x, w, kind, bias).view(out.sizes()));
+  return out;
+}
+
 static Tensor packed_linear(const Tensor& x, const Tensor& w, const Tensor* bias) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack s;
@@ -82,7 +91,8 @@ static void rotary_and_store(float* t, const float* cos, const float* sin, int64
     const float* s = sin + r * hd;
     for (int64_t j = 0; j < nh + nkv; ++j) {
       float* x = t + r * T + j * hd;
-      for (int64_t i = 0; i < hd; ++i) tmp[i] = x[i] * c[i] + x[(i + half) % hd] * s[i];
+      for (int64_t i = 0; i < half; ++i) tmp[i] = x[i] * c[i] + x[i + half] * s[i];
+      for (int64_t i = half; i < hd; ++i) tmp[i] = x[i] * c[i] + x[i - half] * s[i];
       float* dst = j < nh ? x : keys + ((j - nh) * max_len + start + r) * hd;
       std::memcpy(dst, tmp.data(), hd * sizeof(float));
     }
@@ -105,13 +115,33 @@ static void attend(const float* t, const float* keys, const float* values, const
       const float* K = keys + (h / group) * max_len * hd;
       const float* V = values + (h / group) * max_len * hd;
       const float* m = mask + r * mask_row;
+      // q . k for 16 keys at a time: 16 lane vectors reduced together (lane_sums: the additions
+      // dot() makes for each, in its order, at a third of the shuffles)
+      int64_t j = 0;
+      if (hd % 16 == 0) {
+        for (; j + 16 <= view; j += 16) {
+          v16 acc[16];
+          for (int u = 0; u < 16; ++u) {
+            acc[u] = v16{};
+            for (int64_t d = 0; d < hd; d += 16) acc[u] += load(q + d) * load(K + (j + u) * hd + d);
+          }
+          lane_sums(acc, p.data() + j);
+        }
+      }
+      for (; j < view; ++j) p[j] = dot(q, K + j * hd, hd);
       float top = -INFINITY;
-      for (int64_t j = 0; j < view; ++j) {
-        p[j] = dot(q, K + j * hd, hd) * scale + m[j * mask_col];
+      for (j = 0; j < view; ++j) {
+        p[j] = p[j] * scale + m[j * mask_col];
         top = std::max(top, p[j]);
       }
-      float sum = 0.0f;
-      for (int64_t j = 0; j < view; ++j) sum += (p[j] = std::exp(p[j] - top));
+      v16 sums{};
+      for (j = 0; j + 16 <= view; j += 16) {
+        const v16 e = vexp(load(p.data() + j) - top);
+        store(p.data() + j, e);
+        sums += e;
+      }
+      float sum = lane_sum(sums);
+      for (; j < view; ++j) sum += (p[j] = std::exp(p[j] - top));
       float* o = out + r * nh * hd + h * hd;
       int64_t d = 0;
       for (; d + 16 <= hd; d += 16) {
@@ -126,6 +156,21 @@ static void attend(const float* t, const float* keys, const float* values, const
       }
     }
   });
+}
+
+// act = silu(gate) * up for n rows of [gate | up] (each 2I wide): silu(g) = g / (1 + e^-g), as ATen's.
+static void silu_mul(const float* gu, int64_t n, int64_t I, float* act) {
+  for (int64_t r = 0; r < n; ++r) {
+    const float* g = gu + r * 2 * I;
+    const float* u = g + I;
+    float* o = act + r * I;
+    int64_t i = 0;
+    for (; i + 16 <= I; i += 16) {
+      const v16 x = load(g + i);
+      store(o + i, x / (1.0f + vexp(-x)) * load(u + i));
+    }
+    for (; i < I; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  }
 }
 
 static void add_into(float* h, const float* y, int64_t len) {
@@ -152,24 +197,31 @@ static Tensor fused_layers(Tensor h, const Tensor& cos_, const Tensor& sin_, con
   const int64_t n = h.size(1), H = h.size(2);
   h = h.clone(at::MemoryFormat::Contiguous);  // the residual stream, added into in place (the caller's stays)
   auto cos = cos_.contiguous(), sin = sin_.contiguous();
-  auto x = at::empty({n, H}, h.options());
-  auto a = at::empty({n, nh * hd}, h.options());
+  // work buffers for the whole forward, kept from one forward to the next (a fresh allocation per
+  // product touched new pages each time: 3 ms of a 16-row verify on a VM where first touches are slow)
+  const int64_t T = (nh + 2 * nkv) * hd, I2 = gate_up[0].size(0);
+  thread_local Tensor kept;  // grown, never shrunk: later forwards reuse the touched pages
+  const int64_t need = n * (H + nh * hd + T + H + I2 + I2 / 2 + H);
+  if (!kept.defined() || kept.numel() < need) kept = at::empty({need}, h.options());
+  auto work = kept;
+  int64_t at_ = 0;
+  auto take = [&](int64_t cols) { auto t = work.narrow(0, at_, n * cols).view({n, cols}); at_ += n * cols; return t; };
+  auto x = take(H), a = take(nh * hd), t = take(T), y = take(H), gu = take(I2), act = take(I2 / 2), y2 = take(H);
   float* hp = h.data_ptr<float>();
   const float* mp = mask.data_ptr<float>();
   for (size_t i = 0; i < qkv.size(); ++i) {
     fused::rms(hp, weight_or_null(ln1[i]), static_cast<float>(eps), n, H, x.data_ptr<float>());
-    auto t = product(x, qkv[i], kinds[4 * i], qkv_bias.empty() ? nullptr : &qkv_bias[i]).contiguous();
+    product_into(x, qkv[i], kinds[4 * i], qkv_bias.empty() ? nullptr : &qkv_bias[i], t);
     const int64_t max_len = keys[i].size(2);
     fused::rotary_and_store(t.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), n, nh, nkv, hd,
                             keys[i].data_ptr<float>(), values[i].data_ptr<float>(), max_len, start);
     fused::attend(t.data_ptr<float>(), keys[i].data_ptr<float>(), values[i].data_ptr<float>(), mp, mask.stride(2),
                   mask.stride(3), n, nh, nkv, hd, max_len, view, static_cast<float>(scaling), a.data_ptr<float>());
-    fused::add_into(hp, product(a, o[i], kinds[4 * i + 1], nullptr).contiguous().data_ptr<float>(), n * H);
+    fused::add_into(hp, product_into(a, o[i], kinds[4 * i + 1], nullptr, y).data_ptr<float>(), n * H);
     fused::rms(hp, weight_or_null(ln2[i]), static_cast<float>(eps), n, H, x.data_ptr<float>());
-    auto gu = product(x, gate_up[i], kinds[4 * i + 2], nullptr).view({n, -1});
-    const int64_t I = gu.size(1) / 2;
-    auto act = at::silu(gu.narrow(1, 0, I)).mul_(gu.narrow(1, I, I));  // ATen's: its silu is vectorized
-    fused::add_into(hp, product(act, down[i], kinds[4 * i + 3], nullptr).contiguous().data_ptr<float>(), n * H);
+    const Tensor& g = product_into(x, gate_up[i], kinds[4 * i + 2], nullptr, gu);
+    fused::silu_mul(g.data_ptr<float>(), n, I2 / 2, act.data_ptr<float>());
+    fused::add_into(hp, product_into(act, down[i], kinds[4 * i + 3], nullptr, y2).data_ptr<float>(), n * H);
   }
   if (norm.numel() == 0) return h;
   auto out = at::empty_like(h);

@@ -25,33 +25,6 @@ namespace {
 
 using namespace eagle2;
 
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
-#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-// The 16 accumulators' lane sums at once, by shuffles (the same additions as lane_sum, in the
-// same order); lane i of the result is acc[i]'s.
-inline void lane_sums(const v16* acc, float* out) {
-  v16 s1[8], s2[4], s3[2];
-  for (int i = 0; i < 8; ++i)  // l + l+8: acc 2i | acc 2i+1, 8 lanes each
-    s1[i] = SHUF(acc[2 * i], acc[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-            SHUF(acc[2 * i], acc[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  for (int i = 0; i < 4; ++i)  // + 4: acc 4i, 4i+2, 4i+1, 4i+3, 4 lanes each
-    s2[i] = SHUF(s1[2 * i], s1[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-            SHUF(s1[2 * i], s1[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int i = 0; i < 2; ++i)  // + 2: 2 lanes each of acc 8i + 0, 4, 2, 6, 1, 5, 3, 7
-    s3[i] = SHUF(s2[2 * i], s2[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-            SHUF(s2[2 * i], s2[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  // + 1: lanes hold acc 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15
-  v16 r = SHUF(s3[0], s3[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-          SHUF(s3[0], s3[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-  r = SHUF(r, r, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
-  std::memcpy(out, &r, sizeof r);
-}
-#else
-inline void lane_sums(const v16* acc, float* out) {
-  for (int i = 0; i < 16; ++i) out[i] = lane_sum(acc[i]);
-}
-#endif
-
 // One step of 16 (float32) or 32 (bfloat16) k's: `Row` holds a weight row's values for the step
 // (read once, used for every input row of the tile), `X` an input row's, `fma` adds their
 // products. bfloat16: 32 weights read as 16 pairs; the even ones are the pair's low half shifted
@@ -190,6 +163,20 @@ bool stream_fits(const at::Tensor& w) {
   if (w.scalar_type() == at::kFloat) return w.size(1) % F32::STEP == 0;
   if (w.scalar_type() == at::kBFloat16) return w.size(1) % BF16::STEP == 0;
   return false;
+}
+
+void stream_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias, at::Tensor& out) {
+  TORCH_CHECK(stream_fits(w) && w.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat && x.is_contiguous() &&
+              out.is_contiguous() && x.size(-1) == w.size(1) && out.numel() == x.numel() / w.size(1) * w.size(0),
+              "stream_into: contiguous float32 input, weight and output of matching sizes");
+  const int64_t k_len = w.size(1), N = w.size(0), R = x.numel() / k_len;
+  float* y = out.data_ptr<float>();
+  run<F32>(w.data_ptr<float>(), N, k_len, x.data_ptr<float>(), R, y);
+  if (bias) {
+    const float* b = bias->data_ptr<float>();
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t n = 0; n < N; ++n) y[r * N + n] += b[n];
+  }
 }
 
 at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {

@@ -8,3 +8,8 @@ bool stream_fits(const at::Tensor& w);
 
 // x @ w.T (+ bias), in x's dtype, accumulated in float32.
 at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+
+// The same product, float32 only, into `out` (contiguous, [rows, w.size(0)]): the native layer
+// loop's work buffers, so a forward allocates no fresh pages (a first touch cost more than the
+// arithmetic it holds on some VMs).
+void stream_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias, at::Tensor& out);

@@ -31,4 +31,58 @@ inline float dot(const float* a, const float* b, long len) {
   return s;
 }
 
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+// The 16 accumulators' lane sums at once, by shuffles (the same additions as lane_sum, in the
+// same order); lane i of the result is acc[i]'s.
+inline void lane_sums(const v16* acc, float* out) {
+  v16 s1[8], s2[4], s3[2];
+  for (int i = 0; i < 8; ++i)  // l + l+8: acc 2i | acc 2i+1, 8 lanes each
+    s1[i] = SHUF(acc[2 * i], acc[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            SHUF(acc[2 * i], acc[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)  // + 4: acc 4i, 4i+2, 4i+1, 4i+3, 4 lanes each
+    s2[i] = SHUF(s1[2 * i], s1[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+            SHUF(s1[2 * i], s1[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)  // + 2: 2 lanes each of acc 8i + 0, 4, 2, 6, 1, 5, 3, 7
+    s3[i] = SHUF(s2[2 * i], s2[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+            SHUF(s2[2 * i], s2[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  // + 1: lanes hold acc 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15
+  v16 r = SHUF(s3[0], s3[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+          SHUF(s3[0], s3[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  r = SHUF(r, r, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+  std::memcpy(out, &r, sizeof r);
+}
+#else
+inline void lane_sums(const v16* acc, float* out) {
+  for (int i = 0; i < 16; ++i) out[i] = lane_sum(acc[i]);
+}
+#endif
+
+
+// e^x for 16 floats: x = k ln2 + r (|r| <= ln2/2, ln2 in two parts so r is exact), e^r by its
+// Taylor series to r^7 (truncation below 1e-8 relative), times 2^k built in the exponent bits.
+// Within 2 ulp of expf; inputs clamped to where e^x is a normal float (silu and softmax only
+// need it there).
+inline v16 vexp(v16 x) {
+  typedef int i32x16 __attribute__((vector_size(64)));
+  const v16 lo = v16{} - 87.0f, hi = v16{} + 88.0f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const v16 shifter = v16{} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  v16 k = (x * 1.44269504088896341f + shifter) - shifter;
+  v16 r = x - k * 0.693145751953125f - k * 1.42860682030941723e-06f;
+  v16 p = v16{} + 1.0f / 5040;
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  i32x16 bits = (__builtin_convertvector(k, i32x16) + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
 }  // namespace eagle2
