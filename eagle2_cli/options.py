@@ -60,7 +60,10 @@ class CommonOptions:
             raise InputError(text_problem(self.system_prompt), path="--system-prompt")
         quiet_transformers()
         template = load_chat_template(self.chat_template) if self.chat_template else None
-        with status(console, f"Loading {self.model or 'the default model (SmolLM2-135M-Instruct)'}..."):
+        what = f"Loading {self.model or 'the default model (SmolLM2-135M-Instruct)'}"
+        if self.device in ("cpu", "auto") and not native_at_hand():
+            what += " (first run on this machine: building eagle2's CPU kernels, about a minute)"
+        with status(console, what + "..."):
             rt = Runtime.load(self.model, self.draft, dtype=self.dtype, device=self.device, device_map=self.device_map,
                               load_in_8bit=self.load_in_8bit, load_in_4bit=self.load_in_4bit,
                               trust_remote_code=self.trust_remote_code, tree=self.tree_overrides(),
@@ -72,6 +75,15 @@ class CommonOptions:
         if need_head and rt.head_is_random and console is not None:
             console.print("[yellow]warning:[/] --draft random: an untrained draft head; output is still exact, but expect no speedup")
         return rt
+
+
+def native_at_hand() -> bool:
+    """Whether a CPU run finds eagle2's native build ready (no GPU, or the user chose the CPU)."""
+    import torch
+
+    from eagle2_core import native
+
+    return torch.cuda.is_available() or native.is_built()
 
 
 def quiet_transformers() -> None:

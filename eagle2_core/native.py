@@ -60,6 +60,22 @@ def module():
     return _STATE.get("module")
 
 
+def is_built() -> bool:
+    """Whether the build is at hand (loaded, or a finished build in torch's extensions folder),
+    without building it: a first run can say that it is about to take a minute. A build from
+    older sources still counts (torch rebuilds it then)."""
+    if "module" in _STATE or "error" in _STATE:
+        return "module" in _STATE
+    import os
+
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    names = [f"eagle2_native_{cpu_digest()}_{i}" for i in range(len(FLAG_SETS))]
+    # torch keeps each build under a folder per Python and CUDA version (py311_cpu/NAME/NAME.so)
+    return any(any(root.glob(f"*/{name}/{name}.so")) or (root / name / f"{name}.so").is_file() for name in names)
+
+
 def status() -> str:
     """One line: built with which flags, or why not."""
     return f"built ({_STATE['flags']})" if module() is not None else f"not built: {_STATE['error']}"

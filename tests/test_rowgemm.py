@@ -296,3 +296,20 @@ def test_a_bad_kernel_name_is_one_line(monkeypatch, tiny_model_dir):
     monkeypatch.setenv("EAGLE2_KERNEL", "fastest")
     r = CliRunner().invoke(cli, ["chat", "--prompt", "Hi", "-n", "2", "--no-baseline", "--model", tiny_model_dir, "--device", "cpu"])
     assert r.exit_code == 2 and "EAGLE2_KERNEL: unknown kernel 'fastest'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_finished_build_is_found_without_building(monkeypatch, tmp_path):
+    """`native.is_built()` tells a first run (about to spend a minute building) from a later one,
+    by torch's extensions folder alone: nothing is built to answer it."""
+    from eagle2_core import native
+
+    monkeypatch.setattr(native, "_STATE", {})
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert not native.is_built() and native._STATE == {}
+    name = f"eagle2_native_{native.cpu_digest()}_1"
+    (tmp_path / "py311_cpu" / name).mkdir(parents=True)
+    assert not native.is_built()  # a folder without the library: a build that did not finish
+    (tmp_path / "py311_cpu" / name / f"{name}.so").write_bytes(b"")
+    assert native.is_built()
+    monkeypatch.setattr(native, "_STATE", {"error": "no compiler"})
+    assert not native.is_built()
