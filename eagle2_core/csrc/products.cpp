@@ -106,11 +106,17 @@ inline void tile(const typename K::T* w, int64_t k_len, const float* x, int64_t 
     }
   }
   pf.at = next;
-  float s[(T + 15) / 16 * 16];
-  for (int g = 0; g < T; g += 16) {
-    v16 group[16];
-    for (int i = 0; i < 16; ++i) group[i] = g + i < T ? acc[g + i] : v16{};
-    lane_sums(group, s + g);
+  float s[(T + 7) / 8 * 8];
+  int g = 0;
+  for (; g + 16 <= T; g += 16) lane_sums(acc + g, s + g);
+  for (; g < T; g += 8) {
+    if (g + 8 <= T) {
+      lane_sums8(acc + g, s + g);
+    } else {
+      v16 part[8];
+      for (int i = 0; i < 8; ++i) part[i] = g + i < T ? acc[g + i] : v16{};
+      lane_sums8(part, s + g);
+    }
   }
   for (int a = 0; a < NB; ++a)
     for (int b = 0; b < RB; ++b) y[b * ldy + a] = s[a * RB + b];

@@ -52,9 +52,29 @@ inline void lane_sums(const v16* acc, float* out) {
   r = SHUF(r, r, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
   std::memcpy(out, &r, sizeof r);
 }
+// The same for 8 accumulators (a 6 x 4 tile's last 8: reducing them as 16 cost 10% of a 16-row product)
+inline void lane_sums8(const v16* acc, float* out) {
+  v16 s1[4], s2[2];
+  for (int i = 0; i < 4; ++i)
+    s1[i] = SHUF(acc[2 * i], acc[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            SHUF(acc[2 * i], acc[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    s2[i] = SHUF(s1[2 * i], s1[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+            SHUF(s1[2 * i], s1[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  v16 s3 = SHUF(s2[0], s2[1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           SHUF(s2[0], s2[1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  // lanes: 2 each of acc 0, 4, 2, 6, 1, 5, 3, 7
+  v16 r = SHUF(s3, s3, 0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14) +
+          SHUF(s3, s3, 1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
+  r = SHUF(r, r, 0, 4, 2, 6, 1, 5, 3, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  std::memcpy(out, &r, 8 * sizeof(float));
+}
 #else
 inline void lane_sums(const v16* acc, float* out) {
   for (int i = 0; i < 16; ++i) out[i] = lane_sum(acc[i]);
+}
+inline void lane_sums8(const v16* acc, float* out) {
+  for (int i = 0; i < 8; ++i) out[i] = lane_sum(acc[i]);
 }
 #endif
 
