@@ -13,7 +13,8 @@ faster kernels for the same product, so which one runs is a *plan*, measured per
   (`mkldnn._reorder_linear_weight`, the op inductor's weight prepacking emits). Private ops:
   probed at import, and the plan never offers them where they are missing or fail.
 - `stream`: our own kernel (csrc/products.cpp, built for the machine by native.py): the weight
-  streamed once in its own layout (no copy), 16 accumulators a tile; each output's sum in a
+  streamed once in its own layout (no copy), the next block prefetched while a tile of up to 24
+  accumulators computes on the current one; each output's sum in a
   fixed order, so a row's result does not depend on the other rows. Offered where the build
   works and the weight fits it (contiguous, rows a multiple of 16 values, 32 in bfloat16).
 

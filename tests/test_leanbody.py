@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_lm, model_digest
-from eagle2_core import leanbody
+from eagle2_core import leanbody, native
 from eagle2_core.engine import KVCache, num_cache_layers
 from eagle2_core.target import TargetRunner
 from eagle2_core.tree import batch_trees, causal_rows, context_and_tree, windowed
@@ -268,3 +268,14 @@ def test_the_draft_heads_native_step_is_its_stock_layer(arch, dtype, monkeypatch
     with torch.no_grad():
         head.layers[0].self_attn.k_proj.weight.mul_(2.0)  # a training step: the copy is made again
     assert not torch.equal(leanbody.head_weights(head)[0], qkv)
+
+
+@pytest.mark.skipif(native.module() is None, reason="eagle2's native code is not built here")
+def test_the_native_loops_exp_is_expf_within_two_ulp():
+    """silu and softmax in the float32 native loop use our vector exp (vec.h): held to float64's
+    e^x within 2 ulp over the whole range where e^x is a normal float, and at the range's edges."""
+    x = torch.cat([torch.linspace(-87.0, 88.0, 200_003), torch.tensor([0.0, -0.0, 1e-8, -1e-8, 0.34657359, -0.34657359])])
+    got = native.module().vector_exp(x[: len(x) // 16 * 16]).double()
+    want = torch.exp(x[: len(x) // 16 * 16].double())
+    ulp = (want.float().nextafter(torch.tensor(float("inf"))) - want.float()).double()
+    assert ((got - want).abs() / ulp).max() <= 2.0
