@@ -74,7 +74,8 @@ def divergence_text(d, decode) -> str:
 
 @click.command(epilog=EPILOG)
 @click.option("--vanilla/--no-vanilla", default=True, show_default=True,
-              help="Run Hugging Face generate as the baseline (speedups and identical outputs are against it).")
+              help="Run Hugging Face generate as the baseline (speedups and identical outputs are against it; "
+                   "without it, outputs are checked against eagle2's own plain decoding where that runs).")
 @click.option("-f", "--file", "input_path", type=click.Path(dir_okay=False, allow_dash=True), default=None,
               help="Prompts in any `eagle2 generate` input format (first turns are used).")
 @click.option("--dataset", type=click.Choice(["mt-bench", "humaneval"]), default=None,
@@ -179,11 +180,11 @@ def compare(vanilla, input_path, dataset, limit, against, plain, assistant, json
     if json_path == "-":
         out = err  # stdout carries the JSON
     out.print(compare_table(comp, title))
-    if comp.greedy and vanilla:
+    if comp.greedy and comp.reference:
         for name in methods:
-            for item, i in comp.differences(name) if name != "vanilla" else []:
+            for item, i in comp.differences(name):
                 d = comp.divergences.get(name, {}).get(str(item.id))
-                line = f"{name}: {item.key} {item.id!r} differs from vanilla from token {i}"
+                line = f"{name}: {item.key} {item.id!r} differs from {comp.reference} from token {i}"
                 if d is None:
                     out.print(line, style="yellow", markup=False, soft_wrap=True)
                 else:

@@ -123,7 +123,7 @@ def compare_table(comp, title: str) -> Table:
     if split:  # speculation alone: over eagle2's own plain decoding (same kernels)
         t.add_column("over own\nplain", justify="right")
     t.add_column("tau", justify="right")
-    t.add_column("identical", justify="right")
+    t.add_column("identical" if comp.reference in (None, comp.baseline) else f"identical\nto {comp.reference}", justify="right")
     t.add_column("acceptance by depth")
     n = len(comp.items)
     for name, run in comp.runs.items():
@@ -145,7 +145,7 @@ def compare_table(comp, title: str) -> Table:
             "" if base else (f"{mean:.2f}x" if mean else "-"),
             *([("1.00x" if name == "plain" else f"{op:.2f}x" if op else "")] if split else []),
             f"{run.total.tau:.2f}" if run.speculative else "",
-            "" if base else ("-" if same is None else f"{same}/{n}" + ties_note(comp, name)),
+            "" if base or name == comp.reference else ("-" if same is None else f"{same}/{n}" + ties_note(comp, name)),
             fmt_depths(run.total.acceptance_by_depth, 6) if run.speculative else "",
         )
     return t

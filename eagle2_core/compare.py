@@ -71,19 +71,17 @@ def run_comparison(methods: dict[str, tuple[Decoder, bool]], items: list[PromptI
 
 
 def explain_differences(comp: Comparison, encoded: list[list[int]], model, tokenizer=None, on_step=None) -> None:
-    """comp.divergences[method][item id]: why each greedy answer that differs from the baseline's
+    """comp.divergences[method][item id]: why each greedy answer that differs from the reference's
     does (divergence.py). The float32 copy of the model is made once, only if something differs,
-    and methods that part from the baseline at the same token the same way share one measurement."""
+    and methods that part from the reference at the same token the same way share one measurement."""
     from .divergence import explain, float32_copy
 
-    if not comp.greedy or comp.baseline not in comp.runs:
+    if not comp.greedy or comp.reference is None:
         return
-    base = comp.runs[comp.baseline].outputs
+    base = comp.runs[comp.reference].outputs
     index = {str(item.id): i for i, item in enumerate(comp.items)}
     model32, why, seen = None, None, {}
     for name in comp.runs:
-        if name == comp.baseline:
-            continue
         for item, tok in comp.differences(name):
             i = index[str(item.id)]
             got = comp.runs[name].outputs[i]

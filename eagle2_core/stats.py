@@ -129,20 +129,31 @@ class Comparison:
         r = self.per_prompt_speedups(name)
         return statistics.fmean(r) if r else None
 
+    @property
+    def reference(self) -> str | None:
+        """What outputs are checked against: the baseline (`generate`), or where none ran,
+        eagle2's own plain decoding (`compare --no-vanilla`: a sweep still checks that speculation
+        changed no answer)."""
+        if self.baseline and self.baseline in self.runs:
+            return self.baseline
+        return PLAIN if PLAIN in self.runs else None
+
     def differences(self, name: str) -> list[tuple[PromptItem, int]]:
-        """(item, first differing token index) for outputs that differ from the baseline's."""
-        if not self.baseline or self.baseline not in self.runs:
+        """(item, first differing token index) for outputs that differ from the reference's."""
+        ref = self.reference
+        if not ref or name == ref:
             return []
         out = []
-        for item, a, b in zip(self.items, self.runs[name].outputs, self.runs[self.baseline].outputs):
+        for item, a, b in zip(self.items, self.runs[name].outputs, self.runs[ref].outputs):
             i = first_difference(a, b)
             if i is not None:
                 out.append((item, i))
         return out
 
     def identical(self, name: str) -> int | None:
-        """How many outputs equal the baseline's; None when sampling (not expected to match) or no baseline."""
-        if not self.greedy or not self.baseline or self.baseline not in self.runs:
+        """How many outputs equal the reference's; None when sampling (not expected to match), for
+        the reference itself, or with nothing to check against."""
+        if not self.greedy or not self.reference or name == self.reference:
             return None
         return len(self.items) - len(self.differences(name))
 
@@ -209,7 +220,8 @@ class Comparison:
         main = "eagle2" if "eagle2" in self.runs else next(iter(self.runs))
         out = {
             "prompts": len(self.items),
-            "identical": self.identical(main) if main != self.baseline else None,
+            "identical": self.identical(main),
+            "identical_to": self.reference if self.greedy else None,
             "speedup": None if self.speedup(main) is None else round(self.speedup(main), 4),
             "speedup_mean_ratio": None if self.mean_speedup(main) is None else round(self.mean_speedup(main), 4),
             "greedy": self.greedy,

@@ -160,6 +160,24 @@ def test_comparison_statistics():
     assert acceptance_rate(Summary(cycles=2, accepted_hist=[0, 1, 1]), depth=3) == pytest.approx(0.5)
 
 
+
+def test_without_generate_outputs_are_checked_against_our_plain_decoding():
+    """`compare --no-vanilla` (a tree sweep) still checks every speculative method's answers,
+    against eagle2's own plain decoding; speedups stay against `generate` only (none here)."""
+    items = [parse_line('{"id": 1, "prompt": "a"}', 1), parse_line('{"id": 2, "prompt": "b"}', 2)]
+    runs = {"plain": MethodRun("plain", [Summary(new_tokens=3, wall_s=1.0)] * 2, [[1, 2, 3], [4, 5]], speculative=False),
+            "eagle2": MethodRun("eagle2", [Summary(new_tokens=3, wall_s=0.5)] * 2, [[1, 2, 3], [4, 6]]),
+            "tree:4/2/2": MethodRun("tree:4/2/2", [Summary(new_tokens=3, wall_s=0.5)] * 2, [[1, 2, 3], [4, 5]])}
+    comp = Comparison(items, runs, GenerationSettings(), baseline=None)
+    assert comp.reference == "plain" and comp.identical("plain") is None
+    assert comp.identical("eagle2") == 1 and comp.differences("eagle2") == [(items[1], 1)] and comp.identical("tree:4/2/2") == 2
+    assert comp.speedup("eagle2") is None and comp.over_plain("eagle2") == pytest.approx(2.0)
+    d = comp.to_json()
+    assert d["identical"] == 1 and d["identical_to"] == "plain" and d["eagle2"]["first_difference"] == {"2": 1}
+    with_generate = Comparison(items, {"vanilla": MethodRun("vanilla", runs["plain"].summaries, [[1, 2, 3], [4, 6]], speculative=False),
+                                       **runs}, GenerationSettings())
+    assert with_generate.reference == "vanilla" and with_generate.identical("eagle2") == 2 and with_generate.identical("plain") == 1
+
 def test_vendored_datasets():
     mt = dataset_items("mt-bench")
     assert len(mt) == 80 and all(it.category for it in mt) and mt[0].messages[0]["role"] == "user"
