@@ -279,3 +279,6 @@ def test_the_native_loops_exp_is_expf_within_two_ulp():
     want = torch.exp(x[: len(x) // 16 * 16].double())
     ulp = (want.float().nextafter(torch.tensor(float("inf"))) - want.float()).double()
     assert ((got - want).abs() / ulp).max() <= 2.0
+    # far below: 0, as softmax needs for a masked score (-inf or the dtype's minimum)
+    low = torch.tensor([-88.0, -1e4, float("-inf"), torch.finfo(torch.float32).min] * 4)
+    assert torch.equal(native.module().vector_exp(low), torch.zeros(16))

@@ -150,6 +150,7 @@ def test_stream_gives_each_row_the_same_bits_whatever_rows_share_it(dtype):
     alone = torch.cat([stream(x[i : i + 1], w) for i in range(len(x))])
     for rows in (2, 3, 4, 5, 7, 8, 16, 23):
         assert torch.equal(stream(x[:rows], w), alone[:rows]), rows
+    assert stream(x[:0], w).shape == (0, 70)  # no rows: an empty product, nothing read
 
 
 @needs_stream

@@ -176,6 +176,7 @@ void stream_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bia
               out.is_contiguous() && x.size(-1) == w.size(1) && out.numel() == x.numel() / w.size(1) * w.size(0),
               "stream_into: contiguous float32 input, weight and output of matching sizes");
   const int64_t k_len = w.size(1), N = w.size(0), R = x.numel() / k_len;
+  if (R == 0) return;
   float* y = out.data_ptr<float>();
   run<F32>(w.data_ptr<float>(), N, k_len, x.data_ptr<float>(), R, y);
   if (bias) {
@@ -192,7 +193,8 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
   auto x2 = x.reshape({-1, k_len}).to(at::kFloat).contiguous();
   const int64_t R = x2.size(0);
   auto y = at::empty({R, N}, x2.options());
-  if (w.scalar_type() == at::kFloat) {
+  if (R == 0) {
+  } else if (w.scalar_type() == at::kFloat) {
     run<F32>(w.data_ptr<float>(), N, k_len, x2.data_ptr<float>(), R, y.data_ptr<float>());
   } else {
     // per 32 k's: the even ones, then the odd ones (BF16::fma reads the weights in that order)
