@@ -1,7 +1,9 @@
-// The target's layer loop for one sequence in live mode (leanbody.py's native loop): the Python
-// loop of LeanBody.__call__ op for op, over the same ATen ops, without the interpreter between
-// them (on SmolLM2, AMD EPYC Zen 4, 2 cores: a forward of 1 / 6 / 16 rows took 25.3 / 26.7 / 35.4 ms
-// against 34.3 / 34.3 / 46.0 for the Python loop, bitwise the same; docs/benchmarks.md).
+// The target's layer loop for one sequence in live mode (leanbody.py's native loop), and the draft
+// head's one layer through the same code. Two forms: bfloat16 runs the Python loop of
+// LeanBody.__call__ op for op over the same ATen ops (bitwise the same, without the interpreter
+// between them); float32 runs the arithmetic between the products as our own loops over buffers
+// kept between forwards (fused_layers below; within 2e-6 of the Python loop). Figures:
+// docs/benchmarks.md (issue 28, sessions 17-19).
 // A change to the cache layout must change both this and engine.KVLayer.update.
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
