@@ -173,8 +173,9 @@ bool stream_fits(const at::Tensor& w) {
 
 void stream_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias, at::Tensor& out) {
   TORCH_CHECK(stream_fits(w) && w.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat && x.is_contiguous() &&
-              out.is_contiguous() && x.size(-1) == w.size(1) && out.numel() == x.numel() / w.size(1) * w.size(0),
-              "stream_into: contiguous float32 input, weight and output of matching sizes");
+              out.is_contiguous() && x.size(-1) == w.size(1) && out.numel() == x.numel() / w.size(1) * w.size(0) &&
+              (!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == w.size(0))),
+              "stream_into: contiguous float32 input, weight, bias and output of matching sizes");
   const int64_t k_len = w.size(1), N = w.size(0), R = x.numel() / k_len;
   if (R == 0) return;
   float* y = out.data_ptr<float>();
@@ -193,15 +194,17 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
   auto x2 = x.reshape({-1, k_len}).to(at::kFloat).contiguous();
   const int64_t R = x2.size(0);
   auto y = at::empty({R, N}, x2.options());
-  if (R == 0) {
-  } else if (w.scalar_type() == at::kFloat) {
-    run<F32>(w.data_ptr<float>(), N, k_len, x2.data_ptr<float>(), R, y.data_ptr<float>());
+  if (w.scalar_type() == at::kFloat) {
+    const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
+    stream_into(x2, w, bias ? &b : nullptr, y);
   } else {
-    // per 32 k's: the even ones, then the odd ones (BF16::fma reads the weights in that order)
-    x2 = x2.view({R, k_len / 32, 16, 2}).transpose(2, 3).contiguous();
-    run<BF16>(w.data_ptr<at::BFloat16>(), N, k_len, x2.data_ptr<float>(), R, y.data_ptr<float>());
+    if (R > 0) {
+      // per 32 k's: the even ones, then the odd ones (BF16::fma reads the weights in that order)
+      x2 = x2.view({R, k_len / 32, 16, 2}).transpose(2, 3).contiguous();
+      run<BF16>(w.data_ptr<at::BFloat16>(), N, k_len, x2.data_ptr<float>(), R, y.data_ptr<float>());
+    }
+    if (bias) y.add_(bias->to(at::kFloat));
   }
-  if (bias) y.add_(bias->to(at::kFloat));
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   return y.to(x.scalar_type()).view(sizes);
