@@ -116,7 +116,7 @@ def compare(vanilla, input_path, dataset, limit, against, plain, assistant, json
     from eagle2_core.plot import plot_comparison
     from eagle2_core.prompts import InputError, read_prompt_file
 
-    from .ui import compare_table, consoles, error, status, step_times_line, write_json
+    from .ui import consoles, print_compare, error, status, step_times_line, write_json
 
     out, err = consoles()
     if input_path and dataset:
@@ -179,7 +179,7 @@ def compare(vanilla, input_path, dataset, limit, against, plain, assistant, json
              f"{rt.generation_label()}, tree {t.label()}")
     if json_path == "-":
         out = err  # stdout carries the JSON
-    out.print(compare_table(comp, title))
+    print_compare(out, comp, title)
     if comp.greedy and comp.reference:
         for name in methods:
             for item, i in comp.differences(name):

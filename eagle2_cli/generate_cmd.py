@@ -6,7 +6,7 @@ import time
 
 import click
 
-from .options import CountOrAuto, common_options
+from .options import CountOrAuto, UserInputError, common_options
 
 EPILOG = """\b
 Input lines (JSONL; sampling keys such as max_new_tokens, temperature, top_p, top_k, seed,
@@ -34,20 +34,23 @@ Examples:
               help="Input JSONL ('-' for stdin; .gz allowed).")
 @click.option("-o", "--output", "output_path", default="-", show_default=True, type=click.Path(dir_okay=False, allow_dash=True),
               help="Output JSONL, appended to and resumed; '-' for stdout.")
-@click.option("--restart", is_flag=True, help="Discard an existing output file instead of resuming it.")
+@click.option("--overwrite", "--restart", "overwrite", is_flag=True,
+              help="Start the output file afresh instead of resuming it (a file that is not eagle2's output is refused without it).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--batch-size", "-b", type=CountOrAuto("one prompt at a time"), default="auto", show_default=True, metavar="N|auto",
               help="Sequences decoded together (continuous batching: a finished one's slot takes the next prompt). "
                    "auto: the size that this machine's measured costs say is fastest; 1: one prompt at a time.")
 @common_options
-def generate(input_path, output_path, restart, no_progress, batch_size, common):
+def generate(input_path, output_path, overwrite, no_progress, batch_size, common):
     """Generate answers for every prompt in a JSONL file.
 
     MT-bench lines run turn by turn: each answer goes into the next turn's prompt.
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from eagle2_core.batch import OutputError, OutputWriter, plan_resume, prepare_output, run_batched, run_item, run_pending
+    from eagle2_core.batch import (ForeignOutput, OutputError, OutputWriter, plan_resume, prepare_output, run_batched, run_item,
+                                   run_pending)
+    from eagle2_core.prompts import ident
     from eagle2_core.outputlock import OutputLocked, lock_output
     from eagle2_core.prompts import InputError, read_prompt_file
 
@@ -61,12 +64,16 @@ def generate(input_path, output_path, restart, no_progress, batch_size, common):
     entries = list(read_prompt_file(input_path))  # raises FileNotFoundError -> one clean line
     done: set = set()
     if output_path != "-":
-        if restart:
+        if overwrite:
             open(output_path, "w").close()
+        known = {e.ident for e in entries if not isinstance(e, InputError)}
+        known |= {ident(e.key, e.id) for e in entries if isinstance(e, InputError) and e.key}
         try:
-            done = prepare_output(output_path)
+            done = prepare_output(output_path, known)
         except OutputError as e:
             raise click.ClickException(str(e)) from None
+        except ForeignOutput as e:
+            raise UserInputError(str(e)) from None
     pending, skipped = plan_resume(entries, done)
     todo = sum(1 for e in pending if not isinstance(e, InputError))
     writer = OutputWriter(output_path, sys.stdout)

@@ -12,6 +12,7 @@ import click
 from .chat_cmd import chat
 from .compare_cmd import compare
 from .generate_cmd import generate
+from .options import UserInputError
 
 
 def _version() -> str:
@@ -37,13 +38,6 @@ def user_error_message(e: BaseException) -> str | None:
     if isinstance(e, (FileNotFoundError, IsADirectoryError, PermissionError, NotADirectoryError)):
         return str(e) if not e.filename else f"{e.filename}: {e.strerror}"
     return None
-
-
-class UserInputError(click.ClickException):
-    """Something the user handed us is wrong (model, head, file, option): one line, exit code 2,
-    as Click gives for a bad option."""
-
-    exit_code = 2
 
 
 class Eagle2Group(click.Group):

@@ -11,6 +11,13 @@ from dataclasses import dataclass, fields
 import click
 
 
+class UserInputError(click.ClickException):
+    """Something the user handed us is wrong (model, head, file, option): one line, exit code 2,
+    as Click gives for a bad option."""
+
+    exit_code = 2
+
+
 @dataclass
 class CommonOptions:
     model: str | None

@@ -77,7 +77,7 @@ def train(model, data, output, arch, work_dir, resume, self_distill, distill_pro
     try:
         target = load_target(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     except LoadError as e:
-        from .main import UserInputError
+        from .options import UserInputError
 
         raise UserInputError(str(e)) from None
     cfg = TrainConfig(arch=arch, epochs=epochs, lr=lr, batch_tokens=batch_tokens, max_len=max_len, ttt_steps=ttt_steps, draft_vocab=draft_vocab,
@@ -105,7 +105,7 @@ def train(model, data, output, arch, work_dir, resume, self_distill, distill_pro
         console.print(f"[yellow]stopped.[/] continue with the same command plus --resume (work folder {job.work_dir})")
         raise SystemExit(130) from None
     except (ValueError, OSError) as e:
-        from .main import UserInputError
+        from .options import UserInputError
 
         raise UserInputError(str(e)) from None
     if result.get("features_only"):

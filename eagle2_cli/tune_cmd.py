@@ -23,22 +23,13 @@ def tune(batch, json_path, common):
       eagle2 tune
       eagle2 tune --model Qwen/Qwen2.5-0.5B-Instruct --dtype bfloat16 --json profile.json
     """
-    from rich.table import Table
-
     from .ui import consoles, status, write_json
 
     out, err = consoles()
     rt = common.load(err)
     with status(err, "Measuring verify and draft costs..."):
         prof = rt.cost_profile(remeasure=True)
-    t = Table(title=f"{prof.key['device_name']} ({prof.key['device']}, {prof.key['threads']} threads), {prof.key['dtype']}")
-    t.add_column("tree rows", justify="right")
-    t.add_column("verify ms", justify="right")
-    t.add_column("x one row", justify="right")
-    one = prof.verify_ms[min(prof.verify_ms)]
-    for n, ms in sorted(prof.verify_ms.items()):
-        t.add_row(str(n), f"{ms:.1f}", f"{ms / one:.2f}")
-    out.print(t)
+    out.print(verify_table(prof))
     out.print("draft step ms by rows: " + ", ".join(f"{k}: {v:.1f}" for k, v in sorted(prof.draft_ms.items())), highlight=False)
     if prof.lm_head_ms:
         out.print("lm_head ms by rows: " + ", ".join(f"{k}: {v:.2f}" for k, v in sorted(prof.lm_head_ms.items()))
@@ -59,18 +50,7 @@ def tune(batch, json_path, common):
         from eagle2_core.costs import packing_spread, product_weights
 
         plan = prof.plan
-        kt = Table(title="products by weight shape: ms per run of that shape's weights (the chosen kernel in bold)")
-        kt.add_column("weight (out x in)")
-        kt.add_column("rows", justify="right")
-        kinds = sorted({k for by in prof.products.values() for t in by.values() for k in t})
-        for k in kinds:
-            kt.add_column(k, justify="right")
-        for key, by_rows in sorted(prof.products.items()):
-            for r, t in sorted(by_rows.items()):
-                pick = plan.kernels[key][rowgemm.bucket(r)]
-                pick = f"packed@{plan.pack_hint[key]}" if pick == "packed" else pick
-                kt.add_row(key, str(r), *[(f"[bold]{t[k]:.2f}[/]" if k == pick else f"{t[k]:.2f}") if k in t else "" for k in kinds])
-        out.print(kt)
+        out.print(products_table(prof))
         out.print("plan: " + plan.describe().replace("\n", "; "), highlight=False)
         packed = rowgemm.packed_bytes(product_weights(rt.model, rt.head))
         spread = packing_spread(prof.products, plan)
@@ -94,17 +74,59 @@ def tune(batch, json_path, common):
             bc = load_or_measure_batch(rt.model, rt.head, depth, top_k, remeasure=True)
         prior = prior_expected(None if rt.head_is_random else rt.head, max(BATCH_TREES))
         b, n, est = plan(bc, 1 << 20, prior)
-        bt = Table(title=f"batched cycle ms (expansion depth {depth}, top-k {top_k}); est. tok/s from the head's expected acceptance")
-        bt.add_column("batch", justify="right")
-        bt.add_column("draft ms", justify="right")
-        for nn in BATCH_TREES:
-            bt.add_column(f"N={nn}" + (" (plain)" if nn == 1 else ""), justify="right")
-        for bb in bc.batches:
-            cells = [f"{bc.verify_ms[(bb, nn)]:.0f} / {est[(bb, nn)]:.0f}" if (bb, nn) in bc.verify_ms else "" for nn in BATCH_TREES]
-            bt.add_row(str(bb), f"{bc.draft(bb):.0f}", *cells)
-        out.print(bt)
-        out.print(f"cells: verify ms / est. tok/s; a large prompt file would run at batch {b} with "
+        out.print(batch_table(bc, est, depth, top_k))
+        out.print(f"a large prompt file would run at batch {b} with "
                   + ("plain decoding" if n == 1 else f"trees of {n} nodes"), highlight=False)
         data["batch"] = bc.to_json()
     if json_path:
         write_json(data, json_path, err)
+
+
+# -- the tables: figures never wrap or shorten (no_wrap), a compact box, so each fits 80 columns
+def _table(title: str):
+    from rich import box
+    from rich.table import Table
+
+    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+
+
+def verify_table(prof):
+    t = _table(f"{prof.key['device_name']} ({prof.key['device']}, {prof.key['threads']} threads), {prof.key['dtype']}")
+    for head in ("tree rows", "verify ms", "x one row"):
+        t.add_column(head, justify="right", no_wrap=True)
+    one = prof.verify_ms[min(prof.verify_ms)]
+    for n, ms in sorted(prof.verify_ms.items()):
+        t.add_row(str(n), f"{ms:.1f}", f"{ms / one:.2f}")
+    return t
+
+
+def products_table(prof):
+    from eagle2_core import rowgemm
+
+    plan = prof.plan
+    t = _table("products by weight shape: ms per run of that shape's weights (the chosen kernel in bold)")
+    t.add_column("weight", no_wrap=True)
+    t.add_column("rows", justify="right", no_wrap=True)
+    kinds = sorted({k for by in prof.products.values() for c in by.values() for k in c})
+    for k in kinds:
+        t.add_column(k, justify="right", no_wrap=True)
+    for key, by_rows in sorted(prof.products.items()):
+        for r, c in sorted(by_rows.items()):
+            pick = plan.kernels[key][rowgemm.bucket(r)]
+            t.add_row(key, str(r), *[(f"[bold]{c[k]:.2f}[/]" if k == pick else f"{c[k]:.2f}") if k in c else "" for k in kinds])
+    return t
+
+
+def batch_table(bc, est, depth: int, top_k: int):
+    from eagle2_core.costs import BATCH_TREES
+
+    t = _table(f"batched cycles (expansion depth {depth}, top-k {top_k}), B sequences x N tree nodes: each cell is the "
+               "verify ms over the est. tok/s from the head's expected acceptance")
+    t.add_column("batch", justify="right", no_wrap=True)
+    t.add_column("draft\nms", justify="right", no_wrap=True)
+    for nn in BATCH_TREES:
+        t.add_column(f"N={nn}" + ("\nplain" if nn == 1 else ""), justify="right", no_wrap=True)
+    for bb in bc.batches:
+        cells = [f"{bc.verify_ms[(bb, nn)]:.0f}\n{est[(bb, nn)]:.0f}" if (bb, nn) in bc.verify_ms else "" for nn in BATCH_TREES]
+        t.add_row(str(bb), f"{bc.draft(bb):.0f}", *cells)
+    return t

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import sys
 
+from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.panel import Panel
@@ -13,10 +14,24 @@ from rich.text import Text
 DRAFT_STYLE = "bold cyan"
 
 
+PIPE_WIDTH = 200  # a log or a pipe has no width: tables print whole rather than at Rich's default 80
+
+
+def _width(stream) -> int | None:
+    import os
+
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):
+        tty = False
+    return None if tty or os.environ.get("COLUMNS") else PIPE_WIDTH
+
+
 def consoles() -> tuple[Console, Console]:
     """(stdout console, stderr console), created per invocation so test runners can capture them."""
     # soft_wrap: message lines (paths, errors) stay whole for grep; tables and panels still fit the width
-    return Console(file=sys.stdout, highlight=False, soft_wrap=True), Console(file=sys.stderr, highlight=False, soft_wrap=True)
+    return (Console(file=sys.stdout, highlight=False, soft_wrap=True, width=_width(sys.stdout)),
+            Console(file=sys.stderr, highlight=False, soft_wrap=True, width=_width(sys.stderr)))
 
 
 @contextlib.contextmanager
@@ -113,19 +128,16 @@ class AnswerView:
                 self.err.print(self.panel)
 
 
-def compare_table(comp, title: str) -> Table:
-    t = Table(title=title, title_justify="left", header_style="bold")
-    t.add_column("method", no_wrap=True)
-    t.add_column("tokens/s", justify="right")
-    t.add_column("speedup\n(total)", justify="right")
-    t.add_column("speedup\n(mean)", justify="right")
-    split = "plain" in comp.runs
-    if split:  # speculation alone: over eagle2's own plain decoding (same kernels)
-        t.add_column("over own\nplain", justify="right")
-    t.add_column("tau", justify="right")
-    t.add_column("identical" if comp.reference in (None, comp.baseline) else f"identical\nto {comp.reference}", justify="right")
-    t.add_column("acceptance by depth")
+def compare_rows(comp) -> tuple[list[tuple[str, str]], list[dict[str, str]]]:
+    """The compare table's columns ([(key, header)]) and one dict of cells per method: every
+    figure as text, so the table, the narrow-terminal form and the tests read the same cells."""
+    split = "plain" in comp.runs  # speculation alone: over eagle2's own plain decoding (same kernels)
+    same_head = "identical" if comp.reference in (None, comp.baseline) else f"same as\n{comp.reference}"
+    cols = [("method", "method"), ("tok/s", "tok/s"), ("speedup", "speedup\n(total)"), ("mean", "speedup\n(mean)")]
+    cols += [("over plain", "over own\nplain")] if split else []
+    cols += [("tau", "tau"), ("identical", same_head)]
     n = len(comp.items)
+    rows = []
     for name, run in comp.runs.items():
         sp, mean, same = comp.speedup(name), comp.mean_speedup(name), comp.identical(name)
         base = name == comp.baseline
@@ -133,22 +145,61 @@ def compare_table(comp, title: str) -> Table:
         if (run.backend_used or "").startswith("eager (capture failed"):
             label += " (uncaptured)"
         if name == "plain":
-            label = "plain (eagle2, no draft)"
+            label = "plain (no draft)"
         elif run.plan:  # a batched method: what it ran as
             tree = run.plan.get("tree_tokens")
             label += f" (batch {run.plan.get('batch_size')}, " + ("plain" if tree == 1 else f"tree {tree}") + ")"
         op = comp.over_plain(name) if split else None
-        t.add_row(
-            label,
-            f"{run.tokens_per_s:.1f}",
-            "1.00x" if base else (f"{sp:.2f}x" if sp else "-"),
-            "" if base else (f"{mean:.2f}x" if mean else "-"),
-            *([("1.00x" if name == "plain" else f"{op:.2f}x" if op else "")] if split else []),
-            f"{run.total.tau:.2f}" if run.speculative else "",
-            "" if base or name == comp.reference else ("-" if same is None else f"{same}/{n}" + ties_note(comp, name)),
-            fmt_depths(run.total.acceptance_by_depth, 6) if run.speculative else "",
-        )
+        rows.append({
+            "name": name, "method": label, "tok/s": f"{run.tokens_per_s:.1f}",
+            "speedup": "1.00x" if base else (f"{sp:.2f}x" if sp else "-"),
+            "mean": "" if base else (f"{mean:.2f}x" if mean else "-"),
+            "over plain": ("1.00x" if name == "plain" else f"{op:.2f}x" if op else "") if split else "",
+            "tau": f"{run.total.tau:.2f}" if run.speculative else "",
+            "identical": "" if base or name == comp.reference else ("-" if same is None else f"{same}/{n}" + ties_note(comp, name)),
+            "acceptance": fmt_depths(run.total.acceptance_by_depth, 8) if run.speculative else "",
+        })
+    return cols, rows
+
+
+def compare_table(comp, title: str) -> Table:
+    """Fits 80 columns with every figure whole: numbers never wrap or shorten (no_wrap), only the
+    method's label and the near-tie note fold; acceptance by depth goes below the table."""
+    cols, rows = compare_rows(comp)
+    t = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for key, head in cols:
+        if key == "method":
+            t.add_column(head, overflow="fold", min_width=8)
+        elif key == "identical":
+            t.add_column(head, justify="right", overflow="fold", min_width=max(5, *(len(r[key].split(" ")[0]) for r in rows)))
+        else:
+            t.add_column(head, justify="right", no_wrap=True)
+    for r in rows:
+        t.add_row(*(r[key] for key, _ in cols))
     return t
+
+
+def print_compare(console: Console, comp, title: str) -> None:
+    """The compare table, then acceptance by depth per speculative method. Where the terminal is
+    narrower than the table's narrowest form, one line per method instead (wrapped, never cut)."""
+    from rich.markup import escape
+
+    table = compare_table(comp, title)
+    cols, rows = compare_rows(comp)
+    # the narrowest table that keeps every figure whole: its natural width with the method's
+    # label folded to 16 characters (Rich would squeeze the label to nothing rather than say so)
+    label = max(len(r["method"]) for r in rows)
+    natural = console.measure(table, options=console.options.update_width(10_000)).maximum
+    if natural - max(0, label - 16) <= console.width:
+        console.print(table)
+    else:
+        console.print(escape(title), soft_wrap=False)
+        for r in rows:
+            cells = [f"{head.replace(chr(10), ' ')} {r[key]}" for key, head in cols[1:] if r[key]]
+            console.print(f"[bold]{escape(r['method'])}[/]: " + ", ".join(cells), soft_wrap=False, highlight=False)
+    for r in rows:
+        if r["acceptance"] not in ("", "-"):
+            console.print(f"acceptance by depth, {escape(r['method'])}: {r['acceptance']}", soft_wrap=False, highlight=False)
 
 
 def ties_note(comp, name: str) -> str:

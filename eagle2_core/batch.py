@@ -11,6 +11,7 @@ import json
 import os
 from typing import Any
 
+from . import atomic
 from .events import GenerationSettings, Summary
 from .prompts import InputError, PromptItem, apply_overrides, ident
 from .stats import summary_metrics
@@ -32,27 +33,60 @@ class OutputError(Exception):
     the file and the cause; what the file held before stays whole."""
 
 
-def prepare_output(path: str) -> set[tuple[str, str]]:
+class ForeignOutput(ValueError):
+    """The output file holds lines that are not this run's eagle2 records: resuming into it would
+    destroy them or mix two runs. The message names the file and the first such line."""
+
+
+def _is_record(rec) -> bool:
+    """An eagle2 output record: an id (or line number) and an answer or an error."""
+    return isinstance(rec, dict) and _record_ident(rec) is not None and any(k in rec for k in ("text", "turns", "error"))
+
+
+def _torn_record(line: bytes) -> bool:
+    """Whether an unparseable last line can be the start of one of our records (a kill or a full
+    disk mid-write): json.dumps puts the id key, or "line", first."""
+    text = line.decode("utf-8", "replace")
+    heads = [f'{{"{k}":' for k in ID_KEYS + ("line",)]
+    return any(text.startswith(h) or h.startswith(text) for h in heads)
+
+
+def _foreign(path: str, n: int, why: str) -> ForeignOutput:
+    return ForeignOutput(f"{path}: line {n} {why}; the file is left as it was (use --overwrite to start it afresh, or another -o)")
+
+
+def prepare_output(path: str, known: set[tuple[str, str]] | None = None) -> set[tuple[str, str]]:
     """Identities already done in `path` (successful records). Failed records and any partial
     last line (a kill or a full disk mid-write) are removed first, so the file never holds
     duplicates. A torn tail is cut off in place, which needs no free space: the usual state after
-    a disk filled up, and a rerun should not need room for a copy before it can free any."""
+    a disk filled up, and a rerun should not need room for a copy before it can free any.
+
+    A file that holds anything else is refused before a byte of it changes (ForeignOutput): a
+    line that is not an eagle2 record, or (given `known`, the identities of this run's prompt
+    file) a record of a prompt that is not in this file, i.e. another run's output."""
     if not os.path.exists(path):
         return set()
     with open(path, "rb") as f:
         raw = f.read()
     kept: list[bytes] = []
     done: set[tuple[str, str]] = set()
-    for line in raw.split(b"\n"):
+    lines = raw.split(b"\n")
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError):
-            continue  # torn write: that record runs again
-        rid = _record_ident(rec) if isinstance(rec, dict) else None
-        if rid is None or "error" in rec or rid in done:
+            if n == len(lines) and _torn_record(line):
+                continue  # torn write (only the unterminated last line can be one): that record runs again
+            raise _foreign(path, n, "is not an eagle2 output record (not JSON)") from None
+        if not _is_record(rec):
+            raise _foreign(path, n, "is not an eagle2 output record (no id with a text, turns or error)")
+        rid = _record_ident(rec)
+        if "error" in rec or rid in done:
             continue  # failures run again; duplicates are dropped
+        if known is not None and rid not in known:
+            raise _foreign(path, n, f"answers {rid[0]} {rid[1]}, which is not in this prompt file: it is another run's output")
         done.add(rid)
         kept.append(line)
     new = b"".join(k + b"\n" for k in kept)
@@ -67,19 +101,7 @@ def prepare_output(path: str) -> set[tuple[str, str]]:
                 f.flush()
                 os.fsync(f.fileno())
         else:  # records go from the middle: a whole new copy, swapped in atomically
-            tmp = path + ".tmp"
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(new)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except OSError:
-                try:
-                    os.unlink(tmp)  # a half copy would hold the space the rerun needs
-                except OSError:
-                    pass
-                raise
+            atomic.write_bytes(path, new, sync=True)  # a failed copy is removed: it would hold the space the rerun needs
     except OSError as e:
         raise OutputError(f"{path}: could not tidy the output before resuming ({e.strerror or e}); it is unchanged") from None
     return done

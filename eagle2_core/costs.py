@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import leanbody, rowgemm
+from . import atomic, leanbody, rowgemm
 
 # Every small size: row counts of one parity can cost more than the next larger one (oneDNN's
 # few-row kernels measured 3 rows dearer than 4 and 7 dearer than 8 on an AVX2 Zen 3).
@@ -375,9 +375,8 @@ def _cached(path: str, key: dict, from_json, measure, what: str, remeasure: bool
     table = measure()
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump(table.to_json(), f, indent=1)
-        os.replace(path + ".tmp", path)
+        atomic.clean_stale(path)
+        atomic.write_text(path, json.dumps(table.to_json(), indent=1))  # two runs measuring at once: the last one wins, whole
     except OSError:
         pass  # a read-only cache only costs the measurement next time
     return table, False

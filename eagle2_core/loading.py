@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import atomic
 from .headfiles import load_head_folder
 
 # Published heads for known targets (SafeAILab's README), so `--model` alone suffices. Where a
@@ -207,11 +208,14 @@ def _load_gguf(folder: str, gguf: str, dtype: torch.dtype):
     except (ValueError, OSError, KeyError, IndexError, EOFError, TypeError) as e:
         # numpy's reshape of a cut tensor, a bad magic, a missing metadata key: all mean the file is not whole
         raise LoadError(f"{os.path.join(folder, gguf)}: the GGUF file is truncated or corrupt ({str(e).splitlines()[0][:80]})") from None
-    tmp = cached + ".tmp"
+    # Two first runs may convert at once: each writes a folder of its own and renames it into
+    # place; the second rename finds the first's folder and drops its copy (same content).
+    tmp = atomic.temp_sibling(cached)
     try:
         from safetensors.torch import save_model
 
-        os.makedirs(tmp, exist_ok=True)
+        atomic.clean_stale(cached)  # folders of converting runs that were killed
+        os.makedirs(tmp)
         cfg = model.config.to_dict()
         cfg.pop("quantization_config", None)
         cfg["dtype"] = "float32"
@@ -220,7 +224,7 @@ def _load_gguf(folder: str, gguf: str, dtype: torch.dtype):
         save_model(model, os.path.join(tmp, "model.safetensors"))
         tok.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
-        os.replace(tmp, cached) if not os.path.exists(cached) else None
+        atomic.publish_dir(tmp, cached)
     except OSError:  # no cache (cache_dir warned) or a full disk: only costs speed, this run loads from the GGUF
         shutil.rmtree(tmp, ignore_errors=True)  # a half-written copy would hold space and never be used
     if os.path.isfile(os.path.join(cached, "model.safetensors")):

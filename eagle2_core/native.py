@@ -13,7 +13,10 @@ Python and torch's kernels, and `status()` says why.
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
@@ -40,6 +43,54 @@ def cpu_digest() -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
+def build_dir(name: str) -> Path:
+    """Where torch's builder keeps the build `name` (its own layout: one folder per Python and
+    CUDA version under the extensions root, or the root itself where TORCH_EXTENSIONS_DIR is set);
+    passed to it explicitly, so the lock cleared below is the one it will look at."""
+    import sys
+
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return Path(root) / name
+    accel = f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip else (
+        f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
+    py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{py}_{accel}" / name
+
+
+@contextmanager
+def _one_builder(folder: Path):
+    """Only one eagle2 process builds at a time (the others wait here, then find the build).
+
+    torch's builder guards a build with a `lock` file that records no owner and that a killed
+    build leaves behind, after which every later load waits on it forever. Our lock is an OS
+    lock (flock), which the kernel drops when its holder dies: whoever holds it knows that no
+    other eagle2 process is building, so a torch `lock` still there is stale and is removed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): torch's own lock alone
+        yield
+        return
+    fd = os.open(folder.parent / f"{folder.name}.eagle2-build.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the flock
+
+
+def _clear_stale_lock(folder: Path) -> bool:
+    try:
+        (folder / "lock").unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def module():
     """The built module, or None where no build works here."""
     if "module" not in _STATE and "error" not in _STATE:
@@ -47,10 +98,16 @@ def module():
 
         errors = []
         for i, flags in enumerate(FLAG_SETS):
+            name = f"eagle2_native_{cpu_digest()}_{i}"
             try:
-                _STATE["module"] = load(f"eagle2_native_{cpu_digest()}_{i}", [str(CSRC / s) for s in SOURCES],
-                                        extra_cflags=flags, extra_ldflags=[f for f in flags if f == "-fopenmp"],
-                                        extra_include_paths=[str(CSRC)], verbose=False)
+                folder = build_dir(name)
+                with _one_builder(folder):
+                    if _clear_stale_lock(folder):
+                        warnings.warn("an earlier build of eagle2's kernels was stopped midway and left its lock; "
+                                      "building again", stacklevel=2)
+                    _STATE["module"] = load(name, [str(CSRC / s) for s in SOURCES],
+                                            extra_cflags=flags, extra_ldflags=[f for f in flags if f == "-fopenmp"],
+                                            extra_include_paths=[str(CSRC)], build_directory=str(folder), verbose=False)
                 _STATE["flags"] = " ".join(flags)
                 break
             except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a flag refused: try plainer, then give up
@@ -66,14 +123,7 @@ def is_built() -> bool:
     older sources still counts (torch rebuilds it then)."""
     if "module" in _STATE or "error" in _STATE:
         return "module" in _STATE
-    import os
-
-    from torch.utils.cpp_extension import get_default_build_root
-
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    names = [f"eagle2_native_{cpu_digest()}_{i}" for i in range(len(FLAG_SETS))]
-    # torch keeps each build under a folder per Python and CUDA version (py311_cpu/NAME/NAME.so)
-    return any(any(root.glob(f"*/{name}/{name}.so")) or (root / name / f"{name}.so").is_file() for name in names)
+    return any((build_dir(name) / f"{name}.so").is_file() for name in (f"eagle2_native_{cpu_digest()}_{i}" for i in range(len(FLAG_SETS))))
 
 
 def status() -> str:

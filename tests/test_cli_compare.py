@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 from click.testing import CliRunner
 
 from eagle2_cli.main import cli
@@ -133,3 +134,106 @@ def test_compare_batched_rows(tmp_path, tiny_model_dir, tiny_head_dir):
     assert rows["batch:2x1"]["batch_plan"]["tree_tokens"] == 1
     for name in rows:
         assert methods[name]["identical"] == 4, (name, methods[name])
+
+
+def _figures(d: dict, names: list[str]) -> list[set[str]]:
+    """Every figure the compare table shows, as it formats them, from the JSON of the same run:
+    each as the set of texts it can have (the JSON rounds the value the table formatted)."""
+    def fmt(v: float, digits: int, spec: str) -> set[str]:
+        half = 0.5 * 10 ** -digits
+        return {format(v + e, spec) for e in (-half, 0.0, half)}
+
+    figs = []
+    for name in names:
+        m = d[name]
+        figs.append(fmt(m["tokens_per_s"], 3, ".1f"))
+        for key in ("speedup", "speedup_over_plain"):
+            if m.get(key) is not None:
+                figs.append({x + "x" for x in fmt(m[key], 4, ".2f")})
+        if "tau" in m:
+            figs.append(fmt(m["tau"], 4, ".2f"))
+        if m.get("identical") is not None:
+            figs.append({f"{m['identical']}/{d['prompts']}"})
+    return figs
+
+
+@pytest.mark.parametrize("columns", ["80", "40", None])  # a terminal of 80, a narrow one, and a pipe or log
+def test_compare_table_shows_every_figure_whole(monkeypatch, tmp_path, tiny_model_dir, tiny_head_dir, columns):
+    """Issue 38: in 80 columns the table fits with nothing cut; narrower, one line per method;
+    piped, the table whole (Rich would otherwise assume 80 columns and cut every number)."""
+    if columns:
+        monkeypatch.setenv("COLUMNS", columns)
+    else:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    out = tmp_path / "c.json"
+    r = CliRunner().invoke(cli, ["compare", "--vanilla", "--dataset", "mt-bench", "--limit", "2", "--json", str(out),
+                                 "--warmup-tokens", "0", "--against", "tree:6/2/3"] + model_args(tiny_model_dir, tiny_head_dir))
+    assert r.exit_code == 0, r.output + r.stderr
+    d = json.loads(out.read_text())
+    text = r.stdout
+    assert "…" not in text and "..." not in text, text
+    for fig in _figures(d, ["vanilla", "plain", "eagle2", "tree:6/2/3"]):
+        assert any(f in text for f in fig), (fig, text)
+    for name in ("eagle2", "tree:6/2/3"):  # acceptance by depth, below the table (none where nothing was accepted)
+        accept = " ".join(f"{a:.2f}" for a in d[name]["acceptance_by_depth"])
+        assert (f"acceptance by depth, {name}: {accept}" in text) == bool(accept), text
+    table = text.split("\nms: ")[0].splitlines()[1:]  # the title and the lines after the table may wrap
+    if columns == "80":
+        assert max(map(len, table)) <= 80 and any("tok/s" in x and "tau" in x for x in table), text
+    elif columns == "40":
+        assert any(x.startswith("eagle2: tok/s ") for x in table), text
+    else:
+        assert any("tok/s" in x and "tau" in x and "identical" in x for x in table), text
+
+
+def test_tune_tables_fit_80_columns():
+    """`tune`'s three tables at 80 columns: every figure whole (the batched one is the widest)."""
+    import io
+
+    from rich.console import Console
+
+    from eagle2_cli.tune_cmd import batch_table, products_table, verify_table
+    from eagle2_core.costs import BATCH_TREES, BatchCosts, CostProfile
+
+    bc = BatchCosts({}, {(b, n): 1234.5 + b * n for b in (1, 8, 32, 128) for n in BATCH_TREES}, {b: 345.6 for b in (1, 8, 32, 128)})
+    est = {(b, n): 1000.0 + b for b in (1, 8, 32, 128) for n in BATCH_TREES}
+
+    class Prof:
+        key = {"device_name": "AMD EPYC 9R14 96-Core Processor", "device": "cpu", "threads": 2, "dtype": "torch.float32"}
+        verify_ms = {n: 10.0 + n for n in (1, 2, 4, 8, 16, 32, 64)}
+        products = {"49152x576": {r: {"linear": 12.34, "packed": 23.45, "stream": 34.56, "transposed": 45.67} for r in (1, 4, 16, 23)},
+                    "1536x576": {r: {"linear": 1.23, "packed": 2.34, "stream": 3.45, "transposed": 4.56} for r in (1, 4)}}
+
+        class plan:
+            kernels = {"49152x576": {b: "stream" for b in range(64)}, "1536x576": {b: "packed" for b in range(64)}}
+
+    assert CostProfile  # the profile's fields read above are the ones tune_cmd uses
+    for table, figs in ((verify_table(Prof), ["74.0", "6.73"]), (products_table(Prof), ["45.67", "4.56", "49152x576"]),
+                        (batch_table(bc, est, 3, 2), ["2002", "1128", "346"])):
+        buf = io.StringIO()
+        Console(file=buf, width=80, color_system=None).print(table)
+        text = buf.getvalue()
+        assert "…" not in text and max(map(len, text.splitlines()[1:])) <= 80, text
+        for fig in figs:
+            assert fig in text, (fig, text)
+
+
+def test_stats_panel_at_80_columns_keeps_every_figure():
+    import io
+
+    from rich.console import Console
+
+    from eagle2_cli.ui import stats_panel
+    from eagle2_core.events import Summary
+
+    s = Summary()
+    s.new_tokens, s.cycles, s.target_forwards, s.wall_s = 12345, 6789, 6790, 123.4
+    s.accepted_hist = [4321, 2109, 876, 54, 3, 2, 1, 1, 1]
+    buf = io.StringIO()
+    Console(file=buf, width=80, color_system=None).print(stats_panel(s, 12.3, 3.456, "vs vanilla generate on the same prompt",
+                                                                     extra="3 answers this session"))
+    text = buf.getvalue()
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80, text
+    figs = [f"{s.tau:.2f}", "12.3", f"{s.tokens_per_s:.1f}", "3.46x", "12345", "6789", "3 answers"]
+    for fig in figs + [f"{a:.2f}" for a in s.acceptance_by_depth]:
+        assert fig in text, (fig, text)

@@ -473,3 +473,40 @@ def test_the_default_gguf_loads_without_a_cache_and_is_named_when_it_cannot(tmp_
     with pytest.raises(loading.LoadError) as e:
         loading.load_target(None, device="cpu")
     assert str(e.value) == "could not load model 'smollm2' (the default, SmolLM2-135M-Instruct): disk on fire"
+
+
+# -- issue 38: an output file that is not this run's ---------------------------------------------
+def gen_args(src, out, tiny_model_dir, tiny_head_dir, *extra):
+    return ["generate", "-f", str(src), "-o", str(out), "--model", tiny_model_dir, "--draft", tiny_head_dir, "--device", "cpu",
+            "--total-tokens", "4", "--no-progress", *extra]
+
+
+@pytest.mark.parametrize("content, bad_line, why", [
+    (b"this is not json\n{\"half\": ", 1, "not JSON"),  # the reported file: two lines, neither ours
+    (b'{"id": 0, "text": "A"}\n{"half": ', 2, "not JSON"),  # an unterminated last line that is not a torn record of ours
+    (b'{"id": 0, "prompt": "Hi"}\n', 1, "no id with a text"),  # a prompt file given as -o
+])
+def test_generate_refuses_an_output_file_that_is_not_eagle2s(tmp_path, tiny_model_dir, tiny_head_dir, content, bad_line, why):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(json.dumps({"id": i, "prompt": "Hi", "max_new_tokens": 2}) for i in range(3)) + "\n")
+    out.write_bytes(content)
+    line = one_line(CliRunner().invoke(cli, gen_args(src, out, tiny_model_dir, tiny_head_dir)))
+    assert str(out) in line and f"line {bad_line} " in line and why in line and "--overwrite" in line, line
+    assert out.read_bytes() == content  # not a byte changed
+    r = CliRunner().invoke(cli, gen_args(src, out, tiny_model_dir, tiny_head_dir, "--overwrite"))
+    assert r.exit_code == 0, r.stderr
+    assert sorted(json.loads(x)["id"] for x in out.read_text().splitlines()) == [0, 1, 2]
+
+
+def test_generate_refuses_to_resume_another_prompt_files_output(tmp_path, tiny_model_dir, tiny_head_dir):
+    """Records whose ids this prompt file does not have are another run's: resuming would mix two runs."""
+    src, other, out = tmp_path / "in.jsonl", tmp_path / "other.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(json.dumps({"id": i, "prompt": "Hi", "max_new_tokens": 2}) for i in range(2)) + "\n")
+    other.write_text("\n".join(json.dumps({"id": f"q{i}", "prompt": "Ho", "max_new_tokens": 2}) for i in range(2)) + "\n")
+    assert CliRunner().invoke(cli, gen_args(other, out, tiny_model_dir, tiny_head_dir)).exit_code == 0
+    before = out.read_bytes()
+    line = one_line(CliRunner().invoke(cli, gen_args(src, out, tiny_model_dir, tiny_head_dir)))
+    assert 'line 1 answers id "q0", which is not in this prompt file' in line, line
+    assert out.read_bytes() == before
+    r = CliRunner().invoke(cli, gen_args(other, out, tiny_model_dir, tiny_head_dir))  # its own prompt file resumes
+    assert r.exit_code == 0 and out.read_bytes() == before and "2 already done" in r.stderr

@@ -308,9 +308,9 @@ def test_a_finished_build_is_found_without_building(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert not native.is_built() and native._STATE == {}
     name = f"eagle2_native_{native.cpu_digest()}_1"
-    (tmp_path / "py311_cpu" / name).mkdir(parents=True)
+    native.build_dir(name).mkdir(parents=True)
     assert not native.is_built()  # a folder without the library: a build that did not finish
-    (tmp_path / "py311_cpu" / name / f"{name}.so").write_bytes(b"")
+    (native.build_dir(name) / f"{name}.so").write_bytes(b"")
     assert native.is_built()
     monkeypatch.setattr(native, "_STATE", {"error": "no compiler"})
     assert not native.is_built()

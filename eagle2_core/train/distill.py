@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from .. import atomic
 from ..target import capture_layer_inputs, fuse, model_eos_ids
 from .data import _ids
 from .parallel import world
@@ -150,5 +151,4 @@ def write_shard(records: list[dict], path: str) -> None:
     keys = ("hidden", "input_ids", "loss_mask", "top_probs", "top_ids") + (("fused",) if "fused" in records[0] else ())
     data = {k: torch.cat([r[k] for r in records]) for k in keys}
     data["lengths"] = torch.tensor([len(r["input_ids"]) for r in records])
-    save_file(data, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    atomic.replace_with(path, lambda tmp: save_file(data, tmp))

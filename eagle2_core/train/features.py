@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
+from .. import atomic
 from ..target import TargetRunner, capture_layer_inputs, fuse
 from .parallel import world
 
@@ -98,8 +99,8 @@ def extract_features(model, samples: list[tuple[list[int], list[int]]], out_dir:
         record.update({"hidden" + k: v for k, v in pack(torch.cat(hid), feature_dtype).items()})
         if layers:
             record.update({"fused" + k: v for k, v in pack(torch.cat(fused), feature_dtype).items()})
-        save_file(record, path + ".tmp", metadata={"layers": json.dumps(list(layers or [])), "fingerprint": mark})
-        os.replace(path + ".tmp", path)
+        meta = {"layers": json.dumps(list(layers or [])), "fingerprint": mark}
+        atomic.replace_with(path, lambda tmp: save_file(record, tmp, metadata=meta))
         if progress:
             progress(k + 1, total)
     w.barrier()

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .. import atomic
 from ..eagle3 import Eagle3Head, Eagle3Spec, default_feature_layers, num_target_layers
 from ..head import DraftHead, HeadSpec
 from ..headfiles import build_head, check_fits, read_head_folder
@@ -331,8 +332,8 @@ def train_head(model, seqs: list[dict], out_dir: str, cfg: TrainConfig, work_dir
     def save_checkpoint():
         if not w.main:
             return
-        torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "state": json.dumps(asdict(state))}, ckpt_path + ".tmp")
-        os.replace(ckpt_path + ".tmp", ckpt_path)
+        ckpt = {"head": head.state_dict(), "opt": opt.state_dict(), "state": json.dumps(asdict(state))}
+        atomic.replace_with(ckpt_path, lambda tmp: torch.save(ckpt, tmp))
 
     def evaluate_and_keep(mean_loss: float):
         if not w.main:
