@@ -110,7 +110,7 @@ def batch_sweep(rt, encoded, gen, sizes, backend) -> dict:
     return out
 
 
-def check_model(label, model, draft, args, gen, items, report, quant=None):
+def check_model(label, model, draft, args, gen, items, report, quant=None, save=lambda: None):
     say(f"{label}: loading {model or 'the embedded SmolLM2'}")
     kw = dict(dtype=args.dtype, device=args.device, gen=gen)
     if quant:
@@ -124,12 +124,13 @@ def check_model(label, model, draft, args, gen, items, report, quant=None):
         else:
             raise
     methods = {"generate": (rt.vanilla(), False)}
-    if not quant:
+    if not quant and not args.no_captured:
         methods["generate-compiled"] = (rt.vanilla(compiled=True), False)
     methods["eager"] = (rt.eagle(compile=False, graph=False), True)
     if not quant:
         methods["graph"] = (rt.eagle(compile=False, graph=True), True)
-        methods["captured"] = (rt.eagle(compile=True), True)
+        if not args.no_captured:
+            methods["captured"] = (rt.eagle(compile=True), True)
     entry = {"model": rt.target.name, "draft": rt.draft_name, "random_head": rt.head_is_random, "dtype": str(next(rt.model.parameters()).dtype),
              "tree": dataclasses.asdict(rt.tree), "load_in_8bit": bool(quant)}
     report["models"][label] = entry
@@ -140,15 +141,18 @@ def check_model(label, model, draft, args, gen, items, report, quant=None):
     entry["methods"] = {m: js[m] for m in methods}
     for m in methods:  # per-prompt detail is not needed here; keep the JSON short
         entry["methods"][m].pop("per_category", None)
+    save()  # a run cut short keeps the comparison
     encoded = [rt.encode(it.messages) for it in items]
     if encoded and torch.cuda.is_available():
         for m in ("eager", "graph", "captured"):
             if m in methods:
                 entry["methods"][m]["launches"] = launches_per_cycle(methods[m][0], encoded[0], gen)
+        save()
     if encoded and not quant:
         entry["generate_batch_shape"] = batch_shape_identity(rt, encoded[: min(8, len(encoded))], gen)
+        save()
         sizes = [int(b) for b in args.batch_sizes.split(",") if b]
-        backend = "cuda-graphs" if args.device.startswith("cuda") else "inductor"
+        backend = None if args.no_captured else ("cuda-graphs" if args.device.startswith("cuda") else "inductor")
         entry["batch_sweep"] = batch_sweep(rt, encoded, gen, sizes, backend)
     say(f"{label}: " + ", ".join(f"{m} {entry['methods'][m]['tokens_per_s']:.1f} tok/s" for m in methods))
 
@@ -164,6 +168,8 @@ def main():
     ap.add_argument("--qwen", default=os.environ.get("QWEN_GGUF"), help="Qwen2.5-Coder-0.5B-Instruct GGUF (skipped if absent)")
     ap.add_argument("--batch-sizes", default="1,4,16,32", help="the batch sweep's sizes (fixed mode, captured)")
     ap.add_argument("--budget-s", type=float, default=540, help="skip later stages once this much time has gone")
+    ap.add_argument("--skip-8bit", action="store_true", help="no 8-bit stage (it needs a bitsandbytes wheel)")
+    ap.add_argument("--no-captured", action="store_true", help="no captured methods (a CPU dry run: inductor compiles take minutes)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -175,8 +181,9 @@ def main():
 
     def save():
         report["elapsed_s"] = round(time.time() - T0, 1)
-        with open(args.out, "w") as f:
+        with open(args.out + ".part", "w") as f:
             json.dump(report, f, indent=2)
+        os.replace(args.out + ".part", args.out)
 
     shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "eagle2_core", "heads", "smollm2-135m-instruct")
     smol, smol_head = (args.smollm2, shipped) if args.smollm2 else (None, None)
@@ -185,14 +192,14 @@ def main():
         stages.append(("qwen2.5-coder-0.5b", args.qwen, None, None))
     else:
         report["skipped"].append("qwen2.5-coder-0.5b: no GGUF given (--qwen or QWEN_GGUF)")
-    if args.device.startswith("cuda"):
+    if args.device.startswith("cuda") and not args.skip_8bit:
         stages.append(("smollm2-8bit", smol, smol_head, "8bit"))
     for label, model, draft, quant in stages:
         if time.time() - T0 > args.budget_s:
             report["skipped"].append(f"{label}: time budget spent")
             continue
         try:
-            check_model(label, model, draft, args, gen, items, report, quant)
+            check_model(label, model, draft, args, gen, items, report, quant, save)
         except Exception as e:  # noqa: BLE001 - one failing stage must not lose the others' figures
             report["models"].setdefault(label, {})["error"] = f"{type(e).__name__}: {e}"
             say(f"{label}: failed: {type(e).__name__}: {e}")

@@ -202,6 +202,10 @@ def test_lr_schedule_decays_by_steps_or_by_time_whichever_ends_first():
     assert lr_schedule(timed, 20, 1000, train_s=0.0) > 0.99
     assert lr_schedule(timed, 20, 1000, train_s=50.0) == pytest.approx(0.55)  # half the time: half-way down the cosine
     assert lr_schedule(timed, 20, 1000, train_s=100.0) == pytest.approx(0.1)
+    # trained in slices (each call stops at its own budget), the decay spans the whole run
+    sliced = TrainConfig(lr=1.0, warmup_steps=10, time_budget_s=50.0, schedule_s=200.0)
+    assert lr_schedule(sliced, 20, 1000, train_s=50.0) == pytest.approx(lr_schedule(TrainConfig(lr=1.0, warmup_steps=10, time_budget_s=200.0), 20, 1000, train_s=50.0))
+    assert lr_schedule(sliced, 20, 1000, train_s=50.0) > 0.8
 
 
 def test_prefill_extraction_equals_a_plain_forward_and_resumes_shard_by_shard(tiny_target, tmp_path):

@@ -124,6 +124,12 @@ def _ids(tokenizer, messages, add_generation_prompt: bool, chat_template=None) -
     return list(r)
 
 
+def prompt_ids(tokenizer, messages: list[dict], chat_template=None) -> list[int]:
+    """A conversation's token ids in the target's chat template, ending in the generation prompt:
+    what the target answers from (self-distillation's prompts)."""
+    return _ids(tokenizer, messages, True, chat_template)
+
+
 def render(tokenizer, messages: list[dict], max_len: int = 2048, chat_template=None) -> tuple[list[int], list[int]] | None:
     """Token ids of the conversation in the target's chat template, and a mask of assistant tokens.
 

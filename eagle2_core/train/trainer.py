@@ -55,6 +55,8 @@ class TrainConfig:
     seed: int = 0
     eval_every_epochs: int = 1
     time_budget_s: float | None = None   # stop (and save) after this much training time
+    schedule_s: float | None = None      # the learning rate decays over this much training time (None: time_budget_s);
+                                         # a run trained in slices between rounds of distillation spans all of them
     max_steps: int | None = None
     init_head: str | None = None  # warm start from this head folder (e.g. to go on with more data)
 
@@ -245,8 +247,9 @@ def lr_schedule(cfg: TrainConfig, step: int, total_steps: int, train_s: float = 
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     t = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
-    if cfg.time_budget_s:
-        t = max(t, train_s / cfg.time_budget_s)
+    span = cfg.schedule_s or cfg.time_budget_s
+    if span:
+        t = max(t, train_s / span)
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
