@@ -280,4 +280,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_linear", &stream_linear, "x @ w.T (+ bias) by the streaming few-row kernel",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("stream_fits", &stream_fits, "whether stream_linear takes this weight");
+  m.def("block_linear", &block_linear, "x @ dequantize(w).T (+ bias) from a GGUF block weight, bitwise the float32 stream product",
+        py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none());
+  m.def("block_type_known", &block_type_known, "whether block_linear takes this GGML type");
 }

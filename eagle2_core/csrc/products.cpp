@@ -17,6 +17,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstring>
+#include <vector>
+#include <c10/util/Half.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "products.h"
 #include "vec.h"
@@ -34,9 +39,11 @@ struct F32 {
   using T = float;
   static constexpr int STEP = 16;
   static constexpr int NB = 6, RB = 4;  // 24 accumulators + 4 input rows + 1 weight row: 29 of 32 registers
+  static constexpr bool BLOCKS = false;
   struct Row { v16 v; };
   using X = Row;
-  static inline Row read(const T* w) { return {load(w)}; }
+  static inline int64_t row_bytes(int64_t k_len) { return k_len * 4; }
+  static inline Row read(const uint8_t* row, int64_t k) { return {load(reinterpret_cast<const float*>(row) + k)}; }
   static inline X read_x(const float* x) { return {load(x)}; }
   static inline void fma(v16& acc, const Row& w, const X& x) { acc += w.v * x.v; }
 };
@@ -44,11 +51,13 @@ struct BF16 {
   using T = at::BFloat16;
   static constexpr int STEP = 32;
   static constexpr int NB = 4, RB = 4;  // 16 accumulators + 8 input halves + 2 weight halves
+  static constexpr bool BLOCKS = false;
   struct Row { v16 even, odd; };
   using X = Row;
-  static inline Row read(const T* w) {
+  static inline int64_t row_bytes(int64_t k_len) { return k_len * 2; }
+  static inline Row read(const uint8_t* row, int64_t k) {
     u32x16 pair;
-    std::memcpy(&pair, w, sizeof pair);
+    std::memcpy(&pair, row + 2 * k, sizeof pair);
     u32x16 lo = pair << 16, hi = pair & 0xFFFF0000u;
     Row r;
     std::memcpy(&r.even, &lo, sizeof lo);
@@ -59,6 +68,154 @@ struct BF16 {
   static inline void fma(v16& acc, const Row& w, const X& x) {
     acc += w.even * x.even;
     acc += w.odd * x.odd;
+  }
+};
+
+// GGUF's block types (issue 41): the weights stay in the file's blocks, 4-8 bits a weight where
+// float32 takes 32, and `read` rebuilds a step of 16 float32 weights in registers exactly as
+// gguf-py's dequantizer (which transformers loads GGUF files through) computes them: every scale
+// is an fp16 widened to float32 and every product in the order numpy runs it. Nearly all of those
+// products are exact in float32 (an 11-bit scale times a small integer), so the rebuilt weights
+// are the bits the dequantized float32 weights hold, and `fma` below is F32's: each output is the
+// same sum, in the same order, as the float32 stream product over the dequantized weight. The
+// bitwise test against gguf-py is the specification (tests/test_blocks.py).
+typedef int i32x16 __attribute__((vector_size(64)));
+
+inline float f16(const uint8_t* p) {  // exact: every fp16 is a float32
+#if defined(__FLT16_MAX__)
+  _Float16 h;  // one instruction where the machine converts half floats (F16C), a library call elsewhere
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(h);
+#else
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+// 16 bytes widened to 16 int lanes, zero- or sign-extended. The one place we name the machine's
+// instructions: GCC builds the generic form a lane at a time through memory, which made the
+// block product 5x slower than the float32 one it is meant to beat; the generic loop stays as
+// the fallback, with the same values.
+inline i32x16 u8_lanes(const uint8_t* p) {
+  i32x16 v;
+#if defined(__AVX512F__)
+  const __m512i r = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&v, &r, sizeof v);
+#elif defined(__AVX2__)
+  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+#else
+  for (int i = 0; i < 16; ++i) v[i] = p[i];
+#endif
+  return v;
+}
+inline i32x16 i8_lanes(const uint8_t* p) {
+  i32x16 v;
+#if defined(__AVX512F__)
+  const __m512i r = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&v, &r, sizeof v);
+#elif defined(__AVX2__)
+  const __m256i lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+#else
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<int8_t>(p[i]);
+#endif
+  return v;
+}
+inline v16 to_f(i32x16 v) { return __builtin_convertvector(v, v16); }  // exact: every value is a small integer
+inline v16 splat(float f) { return (v16){f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f}; }
+// the 16 low or high nibbles of 16 bytes (the first or second half of a 32-value group)
+inline i32x16 nibbles(const uint8_t* p, bool high) { return (u8_lanes(p) >> (high ? 4 : 0)) & 15; }
+const i32x16 IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+// Q4_K / Q5_K: the 6-bit scale and minimum of sub-block j (0-7) from the 12 packed bytes
+inline void scale_min_k4(const uint8_t* q, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    mn = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+    mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+template <int BLOCK, int BYTES>
+struct Blocks : F32 {  // F32's step, tile and fma; only the weights' bytes differ
+  static constexpr int NB = 4, RB = 4;  // 16 accumulators: the rebuilding needs registers of its own
+  static constexpr bool BLOCKS = true;
+  static inline int64_t row_bytes(int64_t k_len) { return k_len / BLOCK * BYTES; }
+};
+struct Q8_0 : Blocks<32, 34> {  // d, 32 x int8: x * d
+  static inline Row read(const uint8_t* row, int64_t k) {
+    const uint8_t* b = row + (k >> 5) * 34;
+    return {to_f(i8_lanes(b + 2 + (k & 16))) * splat(f16(b))};
+  }
+};
+struct Q4_0 : Blocks<32, 18> {  // d, 16 bytes of nibbles (values j and j+16): d * (q - 8)
+  static inline Row read(const uint8_t* row, int64_t k) {
+    const uint8_t* b = row + (k >> 5) * 18;
+    return {splat(f16(b)) * (to_f(nibbles(b + 2, k & 16)) - 8.0f)};
+  }
+};
+struct Q4_1 : Blocks<32, 20> {  // d, m, nibbles: (d * q) + m
+  static inline Row read(const uint8_t* row, int64_t k) {
+    const uint8_t* b = row + (k >> 5) * 20;
+    return {splat(f16(b)) * to_f(nibbles(b + 4, k & 16)) + f16(b + 2)};
+  }
+};
+// Q5_0 / Q5_1: a fifth bit per value in a 32-bit word (bit j for value j)
+inline v16 five_bits(const uint8_t* b_qh, const uint8_t* b_qs, int64_t k) {
+  uint32_t qh;
+  std::memcpy(&qh, b_qh, 4);
+  const i32x16 high = ((i32x16{} + static_cast<int>((qh >> (k & 16)) & 0xFFFF)) >> IOTA) & 1;
+  return to_f(nibbles(b_qs, k & 16) | (high << 4));
+}
+struct Q5_0 : Blocks<32, 22> {  // d, qh, nibbles: d * (q - 16)
+  static inline Row read(const uint8_t* row, int64_t k) {
+    const uint8_t* b = row + (k >> 5) * 22;
+    return {splat(f16(b)) * (five_bits(b + 2, b + 6, k) - 16.0f)};
+  }
+};
+struct Q5_1 : Blocks<32, 24> {  // d, m, qh, nibbles: (d * q) + m
+  static inline Row read(const uint8_t* row, int64_t k) {
+    const uint8_t* b = row + (k >> 5) * 24;
+    return {splat(f16(b)) * five_bits(b + 4, b + 8, k) + f16(b + 2)};
+  }
+};
+struct Q4_K : Blocks<256, 144> {  // d, dmin, 12 scale bytes, 128 nibble bytes: (d * sc) * q - dmin * m
+  static inline Row read(const uint8_t* row, int64_t k) {
+    const uint8_t* b = row + (k >> 8) * 144;
+    const int v = k & 255, j = v >> 5;
+    int sc, mn;
+    scale_min_k4(b + 4, j, sc, mn);
+    const float d = f16(b) * float(sc), dm = f16(b + 2) * float(mn);
+    return {splat(d) * to_f(nibbles(b + 16 + 32 * (j >> 1) + (v & 16), j & 1)) - dm};
+  }
+};
+struct Q5_K : Blocks<256, 176> {  // d, dmin, 12 scale bytes, 32 high-bit bytes, 128 nibble bytes
+  static inline Row read(const uint8_t* row, int64_t k) {
+    const uint8_t* b = row + (k >> 8) * 176;
+    const int v = k & 255, j = v >> 5;
+    int sc, mn;
+    scale_min_k4(b + 4, j, sc, mn);
+    const float d = f16(b) * float(sc), dm = f16(b + 2) * float(mn);
+    const i32x16 high = (u8_lanes(b + 16 + (v & 16)) >> j) & 1;  // bit j of qh[i]: sub-block j's fifth bits
+    return {splat(d) * to_f(nibbles(b + 48 + 32 * (j >> 1) + (v & 16), j & 1) | (high << 4)) - dm};
+  }
+};
+struct Q6_K : Blocks<256, 210> {  // 128 low-nibble bytes, 64 two-bit bytes, 16 int8 scales, d: (d * sc) * (q - 32)
+  static inline Row read(const uint8_t* row, int64_t k) {
+    const uint8_t* b = row + (k >> 8) * 210;
+    const int v = k & 255, h = v >> 7, m = v & 127;
+    const i32x16 lo = nibbles(b + 64 * h + (m & 63), m >= 64);
+    const i32x16 hi = (u8_lanes(b + 128 + 32 * h + (m & 31)) >> (2 * (m >> 5))) & 3;
+    const i32x16 q = (lo | (hi << 4)) - 32;
+    const float d = f16(b + 208) * float(static_cast<int8_t>(b[192 + (v >> 4)]));
+    return {splat(d) * to_f(q)};
   }
 };
 
@@ -84,7 +241,8 @@ inline void in_register(BF16::Row& r) { in_register(r.even); in_register(r.odd);
 
 // NB weight rows x RB input rows (rows ldx apart), outputs to y[b * ldy + a].
 template <typename K, int NB, int RB>
-inline void tile(const typename K::T* w, int64_t k_len, const float* x, int64_t ldx, float* y, int64_t ldy, Prefetch& pf) {
+inline void tile(const uint8_t* w, int64_t k_len, const float* x, int64_t ldx, float* y, int64_t ldy, Prefetch& pf) {
+  const int64_t rb = K::row_bytes(k_len);
   constexpr int T = NB * RB;
   v16 acc[T];
   for (int i = 0; i < T; ++i) acc[i] = v16{};
@@ -100,7 +258,7 @@ inline void tile(const typename K::T* w, int64_t k_len, const float* x, int64_t 
       in_register(xs[b]);
     }
     for (int a = 0; a < NB; ++a) {
-      typename K::Row wa = K::read(w + a * k_len + k);
+      typename K::Row wa = K::read(w + a * rb, k);
       in_register(wa);
       for (int b = 0; b < RB; ++b) K::fma(acc[a * RB + b], wa, xs[b]);
     }
@@ -123,7 +281,7 @@ inline void tile(const typename K::T* w, int64_t k_len, const float* x, int64_t 
 }
 
 template <typename K, int NB>
-inline void rest(int64_t left, const typename K::T* w, int64_t k_len, const float* x, float* y, int64_t ldy, Prefetch& pf) {
+inline void rest(int64_t left, const uint8_t* w, int64_t k_len, const float* x, float* y, int64_t ldy, Prefetch& pf) {
   // the last R % RB input rows in one tile
   if (left == 3) tile<K, NB, 3>(w, k_len, x, k_len, y, ldy, pf);
   if (left == 2) tile<K, NB, 2>(w, k_len, x, k_len, y, ldy, pf);
@@ -131,26 +289,60 @@ inline void rest(int64_t left, const typename K::T* w, int64_t k_len, const floa
 }
 
 template <typename K>
-inline void single(const typename K::T* w, int64_t k_len, const float* x, float* y) {
+inline void single(const uint8_t* w, int64_t k_len, const float* x, float* y) {
   v16 acc{};
-  for (int64_t k = 0; k < k_len; k += K::STEP) K::fma(acc, K::read(w + k), K::read_x(x + k));
+  for (int64_t k = 0; k < k_len; k += K::STEP) K::fma(acc, K::read(w, k), K::read_x(x + k));
   *y = lane_sum(acc);
+}
+
+// Block weights under many input rows: each block of NB weight rows is rebuilt once into float32
+// scratch (a few KB, in L1) and F32's tiles run over it. The same floats in the same fixed order
+// per output, so the same bits as rebuilding inside every tile, at a quarter of the rebuilding.
+template <typename K>
+void run_rebuilt(const uint8_t* W, int64_t N, int64_t k_len, const float* X, int64_t R, float* Y) {
+  constexpr int NB = K::NB, RB = F32::RB;
+  const int64_t rb = K::row_bytes(k_len), blocks = N / NB;
+  at::parallel_for(0, blocks, 4, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scratch(NB * k_len);
+    const uint8_t* src = scratch.empty() ? nullptr : reinterpret_cast<const uint8_t*>(scratch.data());
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* w = W + t * NB * rb;
+      for (int a = 0; a < NB; ++a)
+        for (int64_t k = 0; k < k_len; k += K::STEP) store(scratch.data() + a * k_len + k, K::read(w + a * rb, k).v);
+      const char* next = reinterpret_cast<const char*>(w + NB * rb);
+      Prefetch pf{next, t + 1 < t1 ? next + NB * rb : next, 1};
+      float* y = Y + t * NB;
+      int64_t r = 0;
+      for (; r + RB <= R; r += RB) tile<F32, NB, RB>(src, k_len, X + r * k_len, k_len, y + r * N, N, pf);
+      rest<F32, NB>(R - r, src, k_len, X + r * k_len, y + r * N, N, pf);
+    }
+  });
+  for (int64_t n = blocks * NB; n < N; ++n)
+    for (int64_t r = 0; r < R; ++r) single<K>(W + n * rb, k_len, X + r * k_len, Y + r * N + n);
 }
 
 // Y[R, N] = X[R, k] @ W[N, k].T: weight rows in blocks of NB, run by the threads; within a block
 // every input row in tiles of RB (the block stays in cache between them), the next block
 // prefetched meanwhile; the N % NB last weight rows one dot product at a time.
 template <typename K>
-void run(const typename K::T* W, int64_t N, int64_t k_len, const float* X, int64_t R, float* Y) {
+void run(const void* W_, int64_t N, int64_t k_len, const float* X, int64_t R, float* Y) {
   constexpr int NB = K::NB, RB = K::RB;
   static_assert(RB <= 4, "rest() covers remainders up to 3");
+  const uint8_t* W = static_cast<const uint8_t*>(W_);
+  const int64_t rb = K::row_bytes(k_len);
   const int64_t blocks = N / NB;
   const int tiles = static_cast<int>(R / RB + (R % RB != 0));
-  const int64_t block_bytes = NB * k_len * static_cast<int64_t>(sizeof(typename K::T));
+  const int64_t block_bytes = NB * rb;
+  if constexpr (K::BLOCKS) {
+    if (R > RB) {  // more rows than one tile: rebuild each block of weight rows once, not once a tile
+      run_rebuilt<K>(W, N, k_len, X, R, Y);
+      return;
+    }
+  }
   at::parallel_for(0, blocks, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const typename K::T* w = W + t * NB * k_len;
-      const char* next = reinterpret_cast<const char*>(w + NB * k_len);
+      const uint8_t* w = W + t * block_bytes;
+      const char* next = reinterpret_cast<const char*>(w + block_bytes);
       Prefetch pf{next, t + 1 < t1 ? next + block_bytes : next, (NB + tiles - 1) / tiles};  // lines a step
       float* y = Y + t * NB;
       int64_t r = 0;
@@ -159,7 +351,7 @@ void run(const typename K::T* W, int64_t N, int64_t k_len, const float* X, int64
     }
   });
   for (int64_t n = blocks * NB; n < N; ++n)
-    for (int64_t r = 0; r < R; ++r) single<K>(W + n * k_len, k_len, X + r * k_len, Y + r * N + n);
+    for (int64_t r = 0; r < R; ++r) single<K>(W + n * rb, k_len, X + r * k_len, Y + r * N + n);
 }
 
 }  // namespace
@@ -208,4 +400,64 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   return y.to(x.scalar_type()).view(sizes);
+}
+
+// GGML's type ids (gguf-py's GGMLQuantizationType) -> the block kernels above
+static int64_t q_block(int64_t t) {
+  switch (t) {
+    case 2: case 3: case 6: case 7: case 8: return 32;
+    case 12: case 13: case 14: return 256;
+  }
+  return 0;
+}
+static int64_t q_bytes(int64_t t) {
+  switch (t) {
+    case 2: return 18; case 3: return 20; case 6: return 22; case 7: return 24; case 8: return 34;
+    case 12: return 144; case 13: return 176; case 14: return 210;
+  }
+  return 0;
+}
+
+bool block_type_known(int64_t qtype) { return q_block(qtype) != 0; }
+
+void block_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const at::Tensor* bias, at::Tensor& out) {
+  const int64_t k_len = x.size(-1), N = w.size(0);
+  TORCH_CHECK(block_type_known(qtype), "block_into: unknown GGML type ", qtype);
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kByte && k_len % q_block(qtype) == 0 &&
+              w.size(1) == k_len / q_block(qtype) * q_bytes(qtype), "block_into: a [N, blocks x bytes] uint8 weight for this input width");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && out.is_contiguous() && out.scalar_type() == at::kFloat &&
+              out.numel() == x.numel() / k_len * N && (!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N)),
+              "block_into: contiguous float32 input, bias and output of matching sizes");
+  const int64_t R = x.numel() / k_len;
+  if (R == 0) return;
+  const float* X = x.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  const void* W = w.data_ptr<uint8_t>();
+  switch (qtype) {
+    case 2: run<Q4_0>(W, N, k_len, X, R, y); break;
+    case 3: run<Q4_1>(W, N, k_len, X, R, y); break;
+    case 6: run<Q5_0>(W, N, k_len, X, R, y); break;
+    case 7: run<Q5_1>(W, N, k_len, X, R, y); break;
+    case 8: run<Q8_0>(W, N, k_len, X, R, y); break;
+    case 12: run<Q4_K>(W, N, k_len, X, R, y); break;
+    case 13: run<Q5_K>(W, N, k_len, X, R, y); break;
+    case 14: run<Q6_K>(W, N, k_len, X, R, y); break;
+  }
+  if (bias) {  // after the sum, as stream_into adds it
+    const float* b = bias->data_ptr<float>();
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t n = 0; n < N; ++n) y[r * N + n] += b[n];
+  }
+}
+
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "block_linear: a float32 input");
+  const int64_t k_len = x.size(-1), N = w.size(0);
+  auto x2 = x.reshape({-1, k_len}).contiguous();
+  auto y = at::empty({x2.size(0), N}, x2.options());
+  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
+  block_into(x2, w, qtype, bias ? &b : nullptr, y);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return y.view(sizes);
 }

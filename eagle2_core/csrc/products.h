@@ -13,3 +13,10 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
 // loop's work buffers, so a forward allocates no fresh pages (a first touch cost more than the
 // arithmetic it holds on some VMs).
 void stream_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias, at::Tensor& out);
+
+// GGUF block weights (GGML type ids 2, 3, 6, 7, 8, 12, 13, 14: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K
+// Q6_K), w a [N, row bytes] uint8 tensor of the file's blocks: bitwise the float32 stream product
+// over gguf-py's dequantization of w, from the blocks' bytes.
+bool block_type_known(int64_t qtype);
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const c10::optional<at::Tensor>& bias);
+void block_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const at::Tensor* bias, at::Tensor& out);

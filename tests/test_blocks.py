@@ -1,0 +1,80 @@
+"""GGUF block weights read by the stream kernel (issue 41): for every block type, the product
+from the blocks' bytes is bitwise the float32 stream product over gguf-py's dequantization of the
+same blocks (the dequantization transformers loads GGUF files through), at every row count."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from eagle2_core import native
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(native.module() is None, reason="eagle2's native code is not built here")
+
+T = gguf.GGMLQuantizationType
+SIMPLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # gguf-py quantizes these
+K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]                # gguf-py only dequantizes these: raw blocks
+
+
+def blocks_of(name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """[n, row bytes] uint8 blocks of type `name` holding an n x k weight."""
+    qtype = getattr(T, name)
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    if name in SIMPLE:
+        w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        w[0, :block] = 0.0  # an all-zero block (scale 0) too
+        return gguf.quants.quantize(w, qtype).reshape(n, -1)
+    raw = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
+    # the fp16 scales: finite, of the sizes real files hold (random bytes would give inf / nan)
+    scale = (rng.standard_normal((n, k // block)) * 1e-3).astype(np.float16).view(np.uint8).reshape(n, k // block, 2)
+    smin = (np.abs(rng.standard_normal((n, k // block))) * 1e-3).astype(np.float16).view(np.uint8).reshape(n, k // block, 2)
+    if name == "Q6_K":
+        raw[..., 208:210] = scale
+    else:
+        raw[..., 0:2], raw[..., 2:4] = scale, smin
+    return raw.reshape(n, -1)
+
+
+def dequantized(name: str, blocks: np.ndarray, k: int) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(blocks.reshape(blocks.shape[0], -1), getattr(T, name)).reshape(-1, k).copy())
+
+
+@pytest.mark.parametrize("name", SIMPLE + K_QUANTS)
+def test_block_product_is_bitwise_the_float32_product_over_the_dequantized_weight(name):
+    mod = native.module()
+    rng = np.random.default_rng(hash(name) % 2**32)
+    k = 512 if name in K_QUANTS else 96  # several blocks a row; 96 = 3 blocks of 32
+    n = 6 * 5 + 3  # whole 6-row tiles and a remainder that runs one dot product at a time
+    blocks = blocks_of(name, n, k, rng)
+    w = dequantized(name, blocks, k)
+    assert torch.isfinite(w).all() and w.abs().max() > 0
+    qtype = int(getattr(T, name))
+    wb = torch.from_numpy(blocks.copy())
+    bias = torch.randn(n)
+    for rows in range(1, 24):
+        x = torch.randn(rows, k)
+        want = mod.stream_linear(x, w, None)
+        got = mod.block_linear(x, wb, qtype, None)
+        assert torch.equal(got, want), (name, rows, (got - want).abs().max())
+    assert torch.equal(mod.block_linear(x, wb, qtype, bias), mod.stream_linear(x, w, bias))
+
+
+@pytest.mark.parametrize("name", SIMPLE + K_QUANTS)
+def test_one_hot_rows_read_back_the_dequantized_weights(name):
+    """x = the identity: each output is one weight, rebuilt from its block exactly as gguf-py does."""
+    mod = native.module()
+    k = 256 if name in K_QUANTS else 64
+    blocks = blocks_of(name, 7, k, np.random.default_rng(1))
+    got = mod.block_linear(torch.eye(k), torch.from_numpy(blocks.copy()), int(getattr(T, name)), None)
+    assert torch.equal(got.T.contiguous(), dequantized(name, blocks, k))
+
+
+def test_a_weight_of_the_wrong_shape_or_type_is_refused():
+    mod = native.module()
+    blocks = torch.zeros(4, 20, dtype=torch.uint8)  # Q4_1: one block of 32 per row
+    assert mod.block_type_known(3) and not mod.block_type_known(1)
+    with pytest.raises(RuntimeError, match="block_into"):
+        mod.block_linear(torch.randn(2, 64), blocks, 3, None)  # two blocks a row expected
+    with pytest.raises(RuntimeError, match="unknown GGML type"):
+        mod.block_linear(torch.randn(2, 32), blocks, 1, None)
