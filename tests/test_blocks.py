@@ -78,3 +78,26 @@ def test_a_weight_of_the_wrong_shape_or_type_is_refused():
         mod.block_linear(torch.randn(2, 64), blocks, 3, None)  # two blocks a row expected
     with pytest.raises(RuntimeError, match="unknown GGML type"):
         mod.block_linear(torch.randn(2, 32), blocks, 1, None)
+
+
+@pytest.mark.slow
+def test_the_embedded_gguf_read_as_blocks_rebuilds_transformers_weights_bitwise():
+    """Every mapped weight of the SmolLM2 file, q/k rows unpermuted on the blocks, dequantizes to
+    the bits transformers loaded; and the block product over it is the float32 stream product."""
+    from eagle2_core.ggufblocks import read_blocks
+    from eagle2_core.loading import load_target, smollm2_gguf_path
+
+    model = load_target(None, dtype="float32", device="cpu").model  # as transformers dequantizes it
+    cfg = model.config
+    blocks, other = read_blocks(smollm2_gguf_path(), cfg.num_attention_heads, cfg.num_key_value_heads)
+    params = dict(model.named_parameters())
+    assert len(blocks) == 7 * cfg.num_hidden_layers + 1 and other == {}  # the tied embedding is the one Q8_0 tensor
+    last = cfg.num_hidden_layers - 1
+    for name, bw in blocks.items():  # the first and last layers and the embedding: every kind of name and row order
+        if name.startswith(("model.layers.0.", f"model.layers.{last}.", "model.embed")):
+            assert torch.equal(bw.dequantize(), params[name].detach().float()), name
+    mod = native.module()
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight", "model.embed_tokens.weight"):
+        bw, w = blocks[name], params[name].detach().float().contiguous()
+        x = torch.randn(5, bw.in_features)
+        assert torch.equal(mod.block_linear(x, bw.blocks, bw.qtype, None), mod.stream_linear(x, w, None)), name
