@@ -19,8 +19,11 @@ using at::Tensor;
 static Tensor packed_linear(const Tensor& x, const Tensor& w, const Tensor* bias);
 
 // One product by the plan's kernel (rowgemm.KERNEL_CODES): 0 oneDNN packed, 1 F.linear, 2 W @ x.T,
-// 3 our streaming kernel (products.cpp).
+// 3 our streaming kernel (products.cpp); BLOCK + t: the streaming kernel over a uint8 weight of
+// GGUF blocks of GGML type t (block_linear: the float32 stream product's bits from the blocks).
+static constexpr int64_t BLOCK = 16;
 static Tensor product(const Tensor& x, const Tensor& w, int64_t kind, const Tensor* bias) {
+  if (kind >= BLOCK) return block_linear(x, w, kind - BLOCK, bias ? c10::optional<Tensor>(*bias) : c10::nullopt);
   if (kind == 0) return packed_linear(x, w, bias);
   if (kind == 3) return stream_linear(x, w, bias ? c10::optional<Tensor>(*bias) : c10::nullopt);
   if (kind == 1) return bias ? at::linear(x, w, *bias) : at::linear(x, w);
@@ -30,7 +33,9 @@ static Tensor product(const Tensor& x, const Tensor& w, int64_t kind, const Tens
 
 // The same into a work buffer: ours writes there, the others' results are copied in.
 static const Tensor& product_into(const Tensor& x, const Tensor& w, int64_t kind, const Tensor* bias, Tensor& out) {
-  if (kind == 3 && w.scalar_type() == at::kFloat)
+  if (kind >= BLOCK)
+    block_into(x, w, kind - BLOCK, bias, out);
+  else if (kind == 3 && w.scalar_type() == at::kFloat)
     stream_into(x, w, bias, out);
   else
     out.copy_(product(x, w, kind, bias).view(out.sizes()));
