@@ -97,9 +97,10 @@ def main(argv=None) -> int:
     prompts = [rt.encode(it.messages) for it in items]
     eos = sorted(model_eos_ids(rt.model, tok))
     # the batch cost table is measured (or read) before any timing
-    from eagle2_core.costs import load_or_measure_batch
+    from eagle2_core.measure import load_or_measure_batch
+    from eagle2_core.treesettings import BATCH_DEPTH, BATCH_TOP_K
 
-    costs = load_or_measure_batch(rt.model, rt.head, 3, 2)
+    costs = load_or_measure_batch(rt.model, rt.head, BATCH_DEPTH, BATCH_TOP_K)
     methods = args.methods.split(",")
     if "hf:1" in methods:
         methods.remove("hf:1")

@@ -66,10 +66,11 @@ def tune(batch, json_path, common):
     if prof.products:
         data.update(data_packed)
     if batch:
-        from eagle2_core.costs import plan, prior_expected
-        from eagle2_core.costs import BATCH_TREES, load_or_measure_batch
+        from eagle2_core.costs import BATCH_TREES, plan, prior_expected
+        from eagle2_core.measure import load_or_measure_batch
+        from eagle2_core.treesettings import BATCH_DEPTH, BATCH_TOP_K
 
-        depth, top_k = common.depth or 3, common.tree_top_k or 2
+        depth, top_k = common.depth or BATCH_DEPTH, common.tree_top_k or BATCH_TOP_K
         with status(err, "Measuring batched cycles (B sequences x N tree nodes)..."):
             bc = load_or_measure_batch(rt.model, rt.head, depth, top_k, remeasure=True)
         prior = prior_expected(None if rt.head_is_random else rt.head, max(BATCH_TREES))

@@ -8,7 +8,8 @@ that buys the most expected tokens per millisecond of verification plus drafting
 drafted nodes are verified changes, so output stays exactly the target's.
 
 Pure functions on tensors; the costs come from `costs.py`. `BudgetChooser` holds what one
-decoder has measured (cycle costs, calibration) and calls them.
+decoder has measured (cycle costs, calibration) and calls them; `TreePolicy` is what the cycle
+asks it while a tree grows (cycle.py), and tells it once the tree is verified.
 """
 from __future__ import annotations
 
@@ -298,3 +299,52 @@ class BudgetChooser:
     @property
     def gap(self) -> float:
         return calibration_gap(self.counts)
+
+
+class TreePolicy:
+    """The per-cycle budget's part in one cycle (cycle.py: `Cycle.draft_fn` and its tree growth),
+    in live mode only: whether to expand one more depth, how many nodes to verify, and the
+    evidence the chooser learns from. It counts the draft's head steps (what a deeper level
+    costs is a step) and shows the chooser the busy rows alone (one size serves them all; an
+    idle row's tree is junk). Host-side bookkeeping: a captured cycle runs without one."""
+
+    def __init__(self, chooser: BudgetChooser):
+        self.chooser = chooser
+        self.steps = 1       # head steps of the current draft: the absorb, then one per depth fed
+        self._rows = None    # the busy rows' mask [B], None where every row is busy
+
+    def begin(self, active: torch.Tensor, every_row_busy: bool) -> None:
+        """A new draft over rows `active` [B] (`every_row_busy`: no row needs leaving out)."""
+        self.steps = 1
+        self._rows = None if every_row_busy else active
+
+    def _busy(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self._rows is None else t[self._rows]
+
+    def fed(self) -> None:
+        """One more head step: a depth of tree nodes went through the head."""
+        self.steps += 1
+
+    def first_level(self, child_logp: torch.Tensor) -> None:
+        """The root's children [B, k] (log-probabilities): evidence for `worth_expanding`."""
+        self.chooser.note_children(self._busy(child_logp))
+
+    def deeper(self, pool_logp: torch.Tensor, front_logp: torch.Tensor, remaining: int) -> bool:
+        """Whether expanding the front [B, k] one more depth is expected to pay, with the pool
+        [B, m] drafted so far and `remaining` depths left (the depth, chosen per cycle)."""
+        return self.chooser.worth_expanding(self._busy(pool_logp), self._busy(front_logp), self.steps, remaining)
+
+    def expanded(self, child_logp: torch.Tensor, front_logp: torch.Tensor) -> None:
+        """One expansion: children [B, k, k] given their parents, the parents' path scores [B, k]."""
+        self.chooser.note_children(self._busy(child_logp).flatten(0, 1), self._busy(front_logp).flatten())
+
+    def size(self, pool_logp: torch.Tensor, n_max: int) -> int:
+        """Tree size (root included, at most `n_max`) that buys the most expected tokens per ms,
+        from the pool's best n_max - 1 path scores per row (section 3: 1 + their probabilities)."""
+        best = torch.topk(self._busy(pool_logp), n_max - 1, dim=1).values.exp()
+        return self.chooser.choose(best, self.steps)
+
+    def observe(self, path_probs: torch.Tensor, on_path: torch.Tensor, draft_s: float, verify_s: float, tokens: int) -> None:
+        """The verified cycle, busy rows only: drafted nodes' path probabilities and which were
+        accepted ([rows, N - 1]), its times and the tokens it produced."""
+        self.chooser.observe(path_probs, on_path, 1000 * draft_s, 1000 * verify_s, self.steps, tokens)

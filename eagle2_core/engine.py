@@ -1,180 +1,40 @@
-"""The decoding engine: one EAGLE-2 cycle with a batch dimension, for chat, prompt files, compare and the GPU.
+"""The decoding engine: a queue of requests, decoded B rows at a time by one cycle (cycle.py).
 
-Every path runs the same cycle on B >= 1 sequences (*rows*): draft a tree per row with the draft
-head (EAGLE-2 section 4: expansion by path score, then rerank), verify every row's tree in one
-forward of the target (the trees go in as an additive mask and positions; no modeling file is
-patched: the stock transformers body, or on CPUs the Llama family's lean body, leanbody.py), accept per row, commit the accepted KV in place. Chat is one request;
-a prompt file is a queue, and a row whose sequence ends takes the next prompt (continuous
-batching). N = 1 (the root alone) is plain decoding through the same cycle.
-
-Two modes of the one cycle:
-  * live (the CPU default): the per-cycle budget chooses each cycle's tree size and depth from the
-    draft's confidence and the measured costs (budget.py); attention spans the longest live row;
-    lm_head runs on internal rows first where the measured costs say it pays; host reads allowed.
-  * fixed (the CUDA default): fixed tree size and absorb width, state on the device, capacity in
-    power-of-two buckets (attention spans the bucket), one host read per cycle; `draft_fn` and
-    `verify_fn` are captured by torch.compile, once per (batch, tree size, capacity) shape, as
-    SGLang captures a graph per batch size. Logits processors and sampling run their host-side
-    steps between the two, uncaptured.
+Chat is one request; a prompt file is a queue, and a row whose sequence ends takes the next
+prompt (continuous batching). The engine owns what the cycle does not: admitting prompts into
+free rows, stop handling and events, dropping idle rows once the queue runs dry, and its
+policy: the per-cycle budget (budget.py), which sizes every live cycle's tree and may stop
+drafting when it does not pay, and the lm_head plan from the measured costs. The cycle itself
+(draft, verify, commit) and its two modes, live and fixed (captured), are cycle.py's; the KV
+cache is kvcache.py's.
 """
 from __future__ import annotations
 
 import time
-import warnings
 from collections import deque
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .accept import accept_greedy_batch, accept_sampling_keyed, first_token, generation_seed, position_uniforms
-from .budget import BudgetChooser
+from .accept import first_token, generation_seed
+from .budget import BudgetChooser, TreePolicy
+from .cycle import Cycle, Slot, bucket
 from .events import GenerationSettings, StepEvent, StopChecker, Summary, collect
-from .rowgemm import row_linears
-from .target import TargetRunner, capture_layer_inputs, model_eos_ids, text_config
-from .tree import (DraftTree, additive, batch_trees, causal_rows, chain_choices, choices_to_levels, context_and_tree, rerank_batch,
-                   row_tree, static_choices, windowed)
+from .kvcache import KVCache, num_cache_layers
+from .measure import load_or_measure
+from .target import TargetRunner, model_eos_ids
 from .treesettings import TreeSettings
 
+# re-exported: callers and tests import the cycle's and the cache's names from here too
+__all__ = ["Engine", "Request", "new_slot", "pick_fn", "Cycle", "Slot", "bucket", "KVCache", "num_cache_layers"]
 
-# -- the KV cache: [B, heads, capacity, dim], slot = position in every row ----------------------
-
-class KVLayer(CacheLayerMixin):
-    """K/V buffers [B, heads, capacity, dim]; rows are written at the owner's `slots` [B, n] (or,
-    for one row's prefill, `row` and `slots` [n]) and attention reads the first `view` slots."""
-    is_sliding = False  # every position is kept; sliding windows are applied by the mask
-    is_compileable = True
-    is_croppable = False
-
-    def __init__(self, owner: "KVCache"):
-        super().__init__()
-        self.owner = owner
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        o = self.owner
-        self.device = key_states.device
-        self.keys = torch.zeros(o.batch, key_states.shape[1], o.capacity, key_states.shape[3], dtype=key_states.dtype, device=self.device)
-        self.values = torch.zeros(o.batch, value_states.shape[1], o.capacity, value_states.shape[3], dtype=value_states.dtype, device=self.device)
-        if o.static and not torch.compiler.is_compiling():
-            torch._dynamo.mark_static_address(self.keys)  # CUDA graphs must see one address on every replay
-            torch._dynamo.mark_static_address(self.values)
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        o = self.owner
-        if o.row is not None:  # one sequence's prefill into its own row
-            self.keys[o.row].index_copy_(1, o.slots, key_states[0])
-            self.values[o.row].index_copy_(1, o.slots, value_states[0])
-            return self.keys[o.row : o.row + 1, :, : o.view], self.values[o.row : o.row + 1, :, : o.view]
-        if o.start is not None:  # live mode, one row: its new slots follow a length the host knows (a slice copy)
-            end = o.start + key_states.shape[2]
-            self.keys[:, :, o.start : end] = key_states
-            self.values[:, :, o.start : end] = value_states
-        else:  # fixed mode, or rows at different lengths: each row at its own slots
-            rows = torch.arange(o.batch, device=self.device)[:, None]
-            # advanced indices around a slice put their dims first: [B, n, heads, dim]
-            self.keys[rows, :, o.slots] = key_states.transpose(1, 2)
-            self.values[rows, :, o.slots] = value_states.transpose(1, 2)
-        return self.keys[:, :, : o.view], self.values[:, :, : o.view]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.view, 0
-
-    def get_seq_length(self) -> int:
-        raise RuntimeError("this cache keeps its lengths per row; pass position_ids")
-
-    def get_max_length(self) -> int:
-        return self.owner.capacity
-
-
-class KVCache(Cache):
-    """One `KVLayer` per decoder layer, written at the same slots each forward. `static`: the
-    buffers keep their addresses (fixed mode; a capacity bucket change makes new ones)."""
-
-    def __init__(self, num_layers: int, batch: int, capacity: int, static: bool = False):
-        self.batch, self.capacity, self.static = batch, capacity, static
-        self.slots, self.row, self.view = None, None, capacity
-        self.start = None  # live mode at batch 1: the first slot written, known on the host (slots then unused)
-        super().__init__(layers=[KVLayer(self) for _ in range(num_layers)])
-
-    def _each(self, fn) -> None:
-        for layer in self.layers:
-            if layer.is_initialized:
-                layer.keys, layer.values = fn(layer.keys), fn(layer.values)
-                if self.static:  # new buffers: a CUDA-graph replay reads them in place, not copied in
-                    torch._dynamo.mark_static_address(layer.keys)
-                    torch._dynamo.mark_static_address(layer.values)
-
-    def commit(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Per row b, move slots src[b] to dst[b] (the accepted path into place; the rest is
-        dropped: section 3), all layers. The right side is gathered (copied) first. With `start`
-        set (one row, dst = start, start + 1, ...) the destination is a slice."""
-        rows = torch.arange(src.shape[0], device=src.device)[:, None]
-        for layer in self.layers:
-            if layer.is_initialized:
-                for buf in (layer.keys, layer.values):
-                    if self.start is not None:
-                        buf[:, :, self.start : self.start + dst.shape[1]] = buf.index_select(2, src[0])
-                    else:
-                        buf[rows, :, dst] = buf[rows, :, src]
-
-    def grow(self, capacity: int) -> None:
-        def bigger(t):
-            new = t.new_zeros(t.shape[0], t.shape[1], capacity, t.shape[3])
-            new[:, :, : t.shape[2]] = t
-            return new
-        self._each(bigger)
-        self.capacity = capacity
-
-    def compact(self, rows: torch.Tensor) -> None:
-        """Keep only these rows, in this order: a smaller batch once rows go idle."""
-        self._each(lambda t: t.index_select(0, rows))
-        self.batch = int(rows.numel())
-
-    def widen(self, batch: int) -> None:
-        """Idle rows appended up to `batch` (a new run after a compacted one)."""
-        self._each(lambda t: torch.cat([t, t.new_zeros(batch - t.shape[0], *t.shape[1:])]))
-        self.batch = batch
-
-
-def num_cache_layers(config) -> int:
-    return text_config(config).num_hidden_layers
-
-
-def bucket(n: int, least: int = 64) -> int:
-    """The power of two >= n (and >= least): fixed mode's capacity and batch buckets."""
-    return max(least, 1 << (max(1, n) - 1).bit_length())
-
-
-# -- one sequence ------------------------------------------------------------------------------
 
 @dataclass
 class Request:
     key: object            # the caller's handle (returned with the result)
     ids: list[int]         # the prompt, encoded
     gen: object            # GenerationSettings
-
-
-@dataclass
-class Slot:
-    """One sequence in a row of the batch, on the host: its stop checks, processors, sampling, statistics."""
-    key: object
-    stop: object
-    procs: object = None     # sampling.TargetProcessors: generation_config's processors, warpers included
-    prompt: list = field(default_factory=list)
-    seed: int = 0            # sampling: one uniform per output position from (seed, position)
-    tokens: list = field(default_factory=list)   # emitted tokens (the root of the next cycle is the last)
-    summary: object = None
-    started: float = 0.0
-
-    @property
-    def host_side(self) -> bool:
-        """Whether verifying this row needs host-side steps (processors, sampling): never captured."""
-        return self.procs is not None and (self.procs.active or self.procs.sampling)
 
 
 def new_slot(key, gen, stop, summary, model=None, prompt=(), eos=()) -> Slot:
@@ -197,483 +57,6 @@ def pick_fn(slot: Slot):
     return pick
 
 
-def _compile(fn, backend: str):
-    """torch.compile a cycle function whole; "cuda-graphs" = inductor replayed as one CUDA graph."""
-    if backend == "cuda-graphs":
-        return torch.compile(fn, backend="inductor", mode="reduce-overhead", fullgraph=True, dynamic=False)
-    return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
-
-
-# -- the cycle -----------------------------------------------------------------------------------
-
-class Cycle:
-    """B rows decoding together: the target's and the head's caches, per-row state on the device,
-    and one host read per cycle. `head` None (or a one-node tree) is plain decoding."""
-
-    def __init__(self, run: TargetRunner, head, tree: TreeSettings, batch: int, capacity: int, *, fixed: bool = False,
-                 backend: str | None = None):
-        self.run, self.head, self.tree, self.batch, self.fixed = run, head, tree, batch, fixed
-        self.k, self.depth = max(1, tree.top_k), max(1, tree.depth)
-        if head is None:
-            self.n_max = 1
-        elif tree.shape == "dynamic":
-            self.n_max = min(tree.total_tokens, self.k + (self.depth - 1) * self.k ** 2 + 1)  # the candidate pool bounds it
-        else:  # EAGLE-1's static tree or a chain: the same sibling ranks every cycle
-            choices = chain_choices(self.depth) if tree.shape == "chain" else static_choices(tree.total_tokens, self.depth, self.k)
-            self.levels = choices_to_levels(choices)
-            self.n_max = len(choices) + 1
-        self.speculative = self.n_max > 1
-        self.width = self.depth + 1 if self.speculative else 1   # accepted path, root first: the absorb width
-        self.margin = max(self.n_max, self.depth * self.k) + self.width + 8  # room past a sequence's end for one tree
-        self.capacity = self._capacity(capacity)
-        self.cache = KVCache(num_cache_layers(run.model.config), batch, self.capacity, static=fixed)
-        self.hcache = KVCache(1, batch, self.capacity, static=fixed) if self.speculative else None
-        self.layers = head.feature_layers if self.speculative else None
-        dev = run.device
-        z = torch.zeros(batch, dtype=torch.long, device=dev)
-        self.seq_len, self.root, self.head_len = z.clone(), z.clone(), z.clone()
-        self.n_new = z + 1  # a row never admitted still gathers its root state at n_new - 1 (not -1)
-        self.active = torch.zeros(batch, dtype=torch.bool, device=dev)
-        self.new_tokens = torch.zeros(batch, self.width, dtype=torch.long, device=dev)
-        self.new_features = None  # [B, width, F], made at the first admission
-        self.slots: list[Slot | None] = [None] * batch
-        self.host_len = [0] * batch  # mirrors of seq_len from the read-back, for the live view
-        self.chooser: BudgetChooser | None = None  # live mode's per-cycle budget (set by the engine)
-        self.one_product = True   # lm_head over every tree row at once (else internal rows first)
-        self.record_confidence = False
-        self.counter = None       # opcount.OpCounter while counting
-        self.steps = 1            # head steps of the last draft (the absorb, then one per depth)
-        self.absorb = 1           # live mode: the widest row of new pairs (accepted + 1, from the read-back)
-        self.last: dict = {}
-        self.seen: dict = {}
-        self.backend = backend if fixed else None
-        self.capture_failure = None
-        self._draft, self._verify = self.draft_fn, self.verify_fn
-        if self.backend:
-            self._draft, self._verify = _compile(self.draft_fn, self.backend), _compile(self.verify_fn, self.backend)
-
-    def _capacity(self, need: int) -> int:
-        need = need + self.margin
-        return bucket(need) if self.fixed else need
-
-    @contextmanager
-    def session(self):
-        """Hooks (EAGLE-3's layer inputs) and the measured product plan, for one run only: outside
-        it the model is the user's (`generate` included). A run stopped early (Ctrl-C) ends here too."""
-        with ExitStack() as stack:
-            if not self.backend:  # captured cycles leave products to the compiler
-                stack.enter_context(row_linears(self.run.cpu_linears))
-            if self.layers:
-                self.seen = stack.enter_context(capture_layer_inputs(self.run.body, self.layers))
-            yield
-
-    # -- rows ---------------------------------------------------------------------------------
-    @property
-    def free(self) -> list[int]:
-        return [i for i, s in enumerate(self.slots) if s is None]
-
-    @property
-    def busy(self) -> int:
-        return sum(s is not None for s in self.slots)
-
-    def reset(self) -> None:
-        """A new run: every row free, drafting on again (a run may have gone plain: `Engine._run`)."""
-        self.slots = [None] * self.batch
-        self.active.zero_()
-        self.seq_len.zero_()
-        self.host_len = [0] * self.batch  # idle rows keep their lengths (their slots stay inside the view)
-        self.speculative = self.hcache is not None
-        if self.new_tokens.shape[1] != self.width:  # a run that went plain left one-token rows
-            self.new_tokens = torch.zeros(self.batch, self.width, dtype=torch.long, device=self.run.device)
-
-    def ensure_capacity(self, need: int) -> None:
-        cap = self._capacity(min(need, self.run.max_positions))
-        if cap > self.capacity:
-            cap = cap if self.fixed else max(cap, 2 * self.capacity)
-            for c in (self.cache, self.hcache):
-                if c is not None:
-                    c.grow(cap)
-            self.capacity = cap
-
-    @torch.no_grad()
-    def admit(self, b: int, ids: list[int], slot: Slot, pick) -> int:
-        """Prefill one prompt into row b, alone, and return its first token (`pick(logits)`). The
-        head absorbs the prompt's pairs (f_t, x_{t+1}) here too, all but the last, which the next
-        cycle's draft absorbs with the other rows' new pairs at the fixed width."""
-        dev, n = self.run.device, len(ids)
-        self.ensure_capacity(n + slot.stop.remaining + 1)
-        x = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos = torch.arange(n, device=dev)
-        c = self.cache
-        c.row, c.slots, c.view = b, pos, n
-        mask = self.run.masks(lambda w: windowed(causal_rows(pos[None], n), pos[None], pos[None], w))
-        try:
-            hidden, feats = self.run.body_forward(x[None], pos[None], mask, c, self.seen, self.layers)
-        finally:
-            c.row = None
-        root = pick(self.run.logits(hidden[0, -1:]))
-        if self.speculative:
-            self._head_cache_ready()
-            feats = feats[0]
-            if self.new_features is None:
-                self.new_features = torch.zeros(self.batch, self.width, feats.shape[-1], dtype=feats.dtype, device=dev)
-            if n > 1:  # pairs (f_t, x_{t+1}) sit at position t (the EAGLE convention)
-                h = self.hcache
-                h.row, h.slots, h.view = b, pos[: n - 1], n - 1
-                try:
-                    bias = additive(causal_rows(pos[None, : n - 1], n - 1), self.head.fc.weight.dtype)
-                    self.head(x[None, 1:], self.head.project(feats[None, : n - 1]), pos[None, : n - 1], attention_mask=bias, cache=h)
-                finally:
-                    h.row = None
-            self.new_tokens[b, 0] = root
-            self.new_features[b, 0] = feats[-1]
-            self.head_len[b], self.n_new[b] = n - 1, 1
-        self.seq_len[b], self.root[b], self.active[b] = n, root, True
-        self.host_len[b] = n
-        self.slots[b] = slot
-        return root
-
-    def _head_cache_ready(self) -> None:
-        """Allocate the head's cache at admission, never inside a capture: a one-token prompt has no
-        pair to absorb here, and its first draft would otherwise allocate it (and run uncaptured)."""
-        layer = self.hcache.layers[0]
-        if not layer.is_initialized:
-            attn = next(m for m in self.head.modules() if hasattr(m, "head_dim") and hasattr(m, "k_proj"))
-            z = torch.zeros(1, attn.k_proj.out_features // attn.head_dim, 1, attn.head_dim, dtype=self.head.fc.weight.dtype,
-                            device=self.run.device)
-            layer.lazy_initialization(z, z)
-
-    def release(self, b: int) -> Slot:
-        slot, self.slots[b] = self.slots[b], None
-        self.active[b] = False
-        return slot
-
-    def compact(self, keep: list[int]) -> None:
-        """Keep only rows `keep` (busy ones, and in fixed mode idle ones up to the batch bucket)."""
-        rows = torch.tensor(keep, dtype=torch.long, device=self.run.device)
-        for c in (self.cache, self.hcache):
-            if c is not None:
-                c.compact(rows)
-        for name in ("seq_len", "root", "head_len", "n_new", "active", "new_tokens", "new_features"):
-            if getattr(self, name) is not None:
-                setattr(self, name, getattr(self, name).index_select(0, rows))
-        self.slots = [self.slots[i] for i in keep]
-        self.host_len = [self.host_len[i] for i in keep]
-        self.batch = len(keep)
-
-    def widen(self, batch: int) -> None:
-        """Back to `batch` rows for a new run (after `compact`): the shapes captured before stay valid."""
-        extra = batch - self.batch
-        for c in (self.cache, self.hcache):
-            if c is not None:
-                c.widen(batch)
-        for name in ("seq_len", "root", "head_len", "n_new", "active", "new_tokens", "new_features"):
-            t = getattr(self, name)
-            if t is not None:
-                fill = (t.new_ones if name == "n_new" else t.new_zeros)(extra, *t.shape[1:])  # n_new >= 1: see __init__
-                setattr(self, name, torch.cat([t, fill]))
-        self.slots += [None] * extra
-        self.host_len += [0] * extra
-        self.batch = batch
-
-    def _view(self, extra: int) -> int:
-        """Slots attention reads: the whole bucket in fixed mode (one shape), else the longest live
-        row plus this cycle's rows."""
-        return self.capacity if self.fixed else min(self.capacity, max(self.host_len) + extra)
-
-    # -- draft (section 4): capturable when no chooser runs ---------------------------------------
-    def draft_fn(self, new_tokens, new_features, head_len, n_new, root, active):
-        """Absorb every row's new pairs, then grow one tree per row. Returns the trees
-        (tokens, parents, depth, ancestors, path scores), each [B, N], and the head's new length."""
-        head, h, dev = self.head, self.hcache, new_tokens.device
-        if not self.fixed:  # live: the width actually accepted (the last read-back says), not depth + 1
-            new_tokens, new_features = new_tokens[:, : self.absorb], new_features[:, : self.absorb]
-        b, w = new_tokens.shape
-        dtype = head.fc.weight.dtype
-        positions = head_len[:, None] + torch.arange(w, device=dev)
-        view = self._view(w + self.depth * self.k)
-        h.slots, h.view = positions, view
-        out = head(new_tokens, head.project(new_features), positions, attention_mask=additive(causal_rows(positions, view), dtype), cache=h)
-        last = (n_new - 1).clamp(max=w - 1)  # an idle row may hold a wider stale count
-        hid = out.gather(1, last[:, None, None].expand(b, 1, out.shape[-1]))[:, 0]  # each row's root state
-        ctx = head_len + n_new                  # the head's context after the absorb = the root's position
-        head_len = torch.where(active, ctx, head_len)
-        logp = torch.log_softmax(head.draft_logits(hid).float(), dim=-1)
-        if self.chooser is not None:
-            self.steps = 1
-        grow = self._grow_dynamic if self.tree.shape == "dynamic" else self._grow_static
-        return grow(hid, logp, ctx, view, root, active) + (head_len,)
-
-    def _head_step(self, tokens, front_h, ctx, d: int, visible, view):
-        """Feed one depth of tree nodes [B, m] (depth d + 1, all at position ctx + d); `visible`
-        [B, m, fed] marks which of the tree rows fed so far each sees. Their rows go to head-cache
-        slots after the context, which the next absorb overwrites: tree tokens are not context."""
-        b, m = tokens.shape
-        fed = visible.shape[2]
-        self.hcache.slots, self.hcache.view = ctx[:, None] + torch.arange(fed - m, fed, device=tokens.device), view
-        bias = additive(context_and_tree(ctx, visible, view), self.head.fc.weight.dtype)
-        out = self.head(tokens, front_h, (ctx + d)[:, None].expand(b, m), attention_mask=bias, cache=self.hcache)
-        if self.chooser is not None:  # host bookkeeping: live mode only, never inside a capture
-            self.steps += 1
-        return out, torch.log_softmax(self.head.draft_logits(out).float(), dim=-1)
-
-    def _grow_dynamic(self, hid, logp, ctx, view, root, active):
-        """EAGLE-2's dynamic tree: expand the top-k nodes by path score at each depth (section 4.1),
-        then rerank every drafted node by path score and keep the best N - 1 (section 4.2)."""
-        head, dev, ch = self.head, hid.device, self.chooser
-        b = hid.shape[0]
-        k = min(self.k, logp.shape[-1])  # top_k may exceed a tiny (or pruned draft) vocabulary
-        scores, ids = torch.topk(logp, k, dim=-1)          # [B, k]
-        tokens = head.to_target_ids(ids)
-        pool_t, pool_p, pool_s = [tokens], [torch.full((b, k), -1, dtype=torch.long, device=dev)], [scores]
-        expanded = [torch.ones(b, k, dtype=torch.bool, device=dev)]
-        front_idx, front_s = torch.arange(k, device=dev).expand(b, k), scores
-        front_h = hid[:, None].expand(b, k, hid.shape[-1])
-        eye = torch.eye(k, dtype=torch.bool, device=dev).expand(b, k, k)
-        visible, size = eye, k
-        if ch is not None:
-            busy = (lambda t: t) if self.busy == b else (lambda t: t[active])  # the chooser sees busy rows only
-            ch.note_children(busy(scores))
-        for d in range(1, self.depth):
-            # live mode: the depth too is chosen per cycle, where deeper levels stop paying (budget.py)
-            if ch is not None and not ch.worth_expanding(busy(torch.cat(pool_s, 1)), busy(front_s), self.steps, self.depth - d):
-                break
-            m = visible.shape[2]
-            out_h, out_lp = self._head_step(tokens, front_h, ctx, d - 1, visible, view)
-            child_lp, child_ids = torch.topk(out_lp, k, dim=-1)            # [B, k, k]
-            if ch is not None:
-                ch.note_children(busy(child_lp).flatten(0, 1), busy(front_s).flatten())
-            path = (front_s[:, :, None] + child_lp).flatten(1)            # path score = product of confidences
-            key = path if self.tree.expand_by == "path" else child_lp.flatten(1)  # "node": the paper's ablation
-            sel = torch.topk(key, k, dim=1).indices
-            parent = sel // k
-            pool_t.append(head.to_target_ids(child_ids).flatten(1))
-            pool_p.append(front_idx.repeat_interleave(k, dim=1))
-            pool_s.append(path)
-            if not self.tree.rerank:
-                expanded.append(torch.zeros(b, k * k, dtype=torch.bool, device=dev).scatter_(1, sel, True))
-            tokens, front_idx, front_s = pool_t[-1].gather(1, sel), size + sel, path.gather(1, sel)
-            front_h = out_h.gather(1, parent[:, :, None].expand(-1, -1, out_h.shape[-1]))
-            visible = torch.cat([visible.gather(1, parent[:, :, None].expand(-1, -1, m)), eye], 2)
-            size += k * k
-        pool_t, pool_p, pool_s = torch.cat(pool_t, 1), torch.cat(pool_p, 1), torch.cat(pool_s, 1)
-        n = min(self.n_max, size + 1)
-        if not self.tree.rerank:  # ablation: the expanded nodes themselves, shallowest first
-            pick = torch.cat(expanded, 1)
-            pool_s = torch.where(pick, -torch.arange(size, device=dev, dtype=pool_s.dtype), float("-inf"))
-            n = min(n, int(pick[0].sum()) + 1)
-        elif ch is not None:
-            # live mode: the tree size that buys the most expected tokens (1 + the sum of path
-            # probabilities, section 3) per measured ms of this batch's verify and draft (budget.py)
-            best = torch.topk(busy(pool_s), n - 1, dim=1).values.exp()
-            n = ch.choose(best, self.steps)
-        return rerank_batch(pool_t, pool_p, pool_s, root, n - 1, self.depth)
-
-    def _grow_static(self, hid, logp, ctx, view, root, active):
-        """EAGLE-1's static tree, or a chain: the same sibling ranks below every root."""
-        head, dev = self.head, hid.device
-        b = hid.shape[0]
-        toks, parents = [root[:, None]], [-1]
-        front_h, front_lp, visible = hid[:, None], logp[:, None], None
-        prev_first, first = 0, 1  # tree index of the first node of the previous level and of this one
-        for d, level in enumerate(self.levels[: self.depth]):
-            # choices are ordered by depth, so path index p is tree node p + 1 (-1: the root)
-            par = torch.tensor([p + 1 - prev_first for p, _ in level], device=dev)  # parent within the fed level
-            ranks = torch.tensor([r for _, r in level], device=dev)
-            top = torch.topk(front_lp, int(ranks.max()) + 1, dim=-1).indices     # [B, fed, r]
-            toks.append(head.to_target_ids(top[:, par, ranks]))
-            parents += [p + 1 for p, _ in level]
-            prev_first, first = first, first + len(level)
-            if d + 1 >= min(self.depth, len(self.levels)):
-                break
-            eye = torch.eye(len(level), dtype=torch.bool, device=dev)
-            visible = eye if visible is None else torch.cat([visible[par], eye], 1)
-            front_h, front_lp = self._head_step(toks[-1], front_h[:, par], ctx, d, visible.expand(b, -1, -1), view)
-        tokens = torch.cat(toks, 1)
-        par_t = torch.tensor(parents, dtype=torch.long, device=dev).expand(b, -1)
-        depth, anc = batch_trees(par_t, self.depth)
-        return tokens, par_t, depth, anc, None
-
-    # -- verify (section 3) --------------------------------------------------------------------
-    def _forward(self, tokens, depth, anc, seq_len):
-        """Every row's tree in one target forward: node i at slot seq_len + i, position seq_len +
-        depth (nodes past the context limit are verified, never emitted: clamped)."""
-        b, n = tokens.shape
-        dev = tokens.device
-        q_pos = seq_len[:, None] + depth
-        view = self._view(n)
-        c = self.cache
-        c.slots, c.view = seq_len[:, None] + torch.arange(n, device=dev), view
-        c.start = self.host_len[0] if b == 1 and not self.fixed else None
-        k_pos = torch.arange(view, device=dev).expand(b, view).scatter(1, c.slots, q_pos)
-        mask = self.run.masks(lambda win: windowed(context_and_tree(seq_len, anc, view), q_pos, k_pos, win))
-        return self.run.body_forward(tokens, q_pos.clamp(max=self.run.max_positions - 1), mask, c, self.seen, self.layers)
-
-    def commit_fn(self, tokens, depth, path, accepted, bonus, feats, seq_len, root, n_new, new_features, active):
-        """The accepted KV into place, per row, and each row's next state; idle rows stay where
-        they are. Returns (seq_len, root, n_new, new_tokens, new_features, readout)."""
-        w = path.shape[1]
-        if w > 1:
-            self.cache.commit(seq_len[:, None] + path, seq_len[:, None] + torch.arange(w, device=path.device))
-            col = torch.arange(w, device=path.device)[None]
-            new_tokens = torch.where(col == accepted[:, None], bonus[:, None], torch.cat([tokens.gather(1, path[:, 1:]), bonus[:, None]], 1))
-            new_features = feats.gather(1, path[:, :, None].expand(-1, -1, feats.shape[-1])).to(new_features.dtype)
-            n_new = torch.where(active, accepted + 1, n_new)
-        else:
-            new_tokens = bonus[:, None]
-        seq_len = torch.where(active, seq_len + accepted + 1, seq_len)
-        root = torch.where(active, bonus, root)
-        readout = torch.cat([accepted[:, None], depth[:, -1:], new_tokens], 1)  # nodes are in depth order
-        return seq_len, root, n_new, new_tokens, new_features, readout
-
-    def verify_fn(self, tokens, parents, depth, anc, seq_len, root, n_new, new_features, active):
-        """Greedy verification with no host step: all rows through lm_head, accept, commit. Captured in fixed mode."""
-        hidden, feats = self._forward(tokens, depth, anc, seq_len)
-        b, n = tokens.shape
-        argmax = self.run.logits(hidden.reshape(b * n, -1)).argmax(-1).view(b, n)
-        path, accepted, bonus = accept_greedy_batch(tokens, parents, depth, anc, argmax, self.width if self.speculative else 1)
-        return (path,) + self.commit_fn(tokens, depth, path, accepted, bonus, feats, seq_len, root, n_new, new_features, active)
-
-    def _verify_host(self, tokens, parents, depth, anc, scores):
-        """Verification with host-side steps: the target's processors on each node with its own
-        history (sampling.TargetProcessors.tree_scores), lossless sampling (the keyed rule), and
-        greedy acceptance's two-pass lm_head: children are checked against their parent's argmax,
-        so only internal nodes need logits up front, and a leaf only when the path ends there. On a
-        small model lm_head is a large share of a verify, and about half a tree's nodes are leaves;
-        where extra rows are nearly free (measured: `one_product`) all rows go in one product."""
-        hidden, feats = self._forward(tokens, depth, anc, self.seq_len)
-        b, n = tokens.shape
-        dev, w = tokens.device, (self.width if self.speculative else 1)
-        two_pass = not self.one_product and n > 1
-        internal = torch.zeros(b, n, dtype=torch.bool, device=dev)
-        if n > 1:
-            internal.scatter_(1, parents[:, 1:], True)
-        plain = torch.tensor([s is not None and not s.host_side for s in self.slots], device=dev)
-        need = (internal if two_pass else torch.ones_like(internal)) & plain[:, None]
-        argmax = torch.full((b, n), -1, dtype=torch.long, device=dev)
-        idx = need.flatten().nonzero().flatten()
-        if idx.numel():
-            argmax.view(-1)[idx] = self.run.logits(hidden.reshape(b * n, -1)[idx]).argmax(-1)
-        sampled = {}
-        for i, s in enumerate(self.slots):
-            if s is None or not s.host_side:
-                continue
-            tree = row_tree(tokens, parents, depth, anc, scores, i)
-            nodes = internal[i].nonzero().flatten() if two_pass and not s.procs.sampling else None
-            logits = self._scored(s, hidden[i] if nodes is None else hidden[i, nodes], tree, nodes)
-            if s.procs.sampling:
-                u = position_uniforms(s.seed, len(s.tokens), w)  # the uniforms of this sequence's next output positions
-                sampled[i] = accept_sampling_keyed(tree, torch.softmax(logits.float(), -1), u)
-            elif nodes is None:
-                argmax[i] = logits.argmax(-1)
-            else:
-                argmax[i, nodes] = logits.argmax(-1)
-        path, accepted, bonus = accept_greedy_batch(tokens, parents, depth, anc, argmax, w)
-        if two_pass:  # paths that end at a leaf: one more lm_head row each
-            leaf = [i for i, v in enumerate(bonus.tolist()) if v < 0 and self.slots[i] is not None and i not in sampled]
-            if leaf:
-                rows = torch.tensor(leaf, device=dev)
-                last = path[rows, accepted[rows]]
-                for j, i in enumerate(leaf):
-                    s = self.slots[i]
-                    tree = row_tree(tokens, parents, depth, anc, scores, i) if s.host_side else None
-                    bonus[i] = self._scored(s, hidden[i, last[j : j + 1]], tree, last[j : j + 1]).argmax(-1)[0]
-        for i, (p, tok) in sampled.items():
-            path[i] = torch.tensor(p + [0] * (w - len(p)), device=dev)
-            accepted[i], bonus[i] = len(p) - 1, tok
-        bonus.clamp_(min=0)  # idle rows (no slot) got no logits: keep their next root a valid id (never emitted)
-        return path, accepted, bonus, feats
-
-    def _scored(self, slot: Slot, hidden, tree, nodes):
-        logits = self.run.logits(hidden)
-        if slot.procs is not None and slot.procs.active:
-            hist = torch.tensor(slot.prompt + slot.tokens[:-1], dtype=torch.long, device=hidden.device)  # every token before the root
-            logits = slot.procs.tree_scores(logits, hist, tree, nodes)
-        return logits
-
-    # -- one cycle ---------------------------------------------------------------------------------
-    def _call(self, stage: str, fn, *args):
-        """Run a stage of the cycle: counted (opcount) if asked, captured ones falling back to
-        themselves uncaptured if capture fails (said once, recorded for compare)."""
-        try:
-            if self.counter is not None:
-                return self.counter.staged(stage, fn, *args)
-            if self.backend == "cuda-graphs":
-                torch.compiler.cudagraph_mark_step_begin()
-            return fn(*args)
-        except Exception as e:  # noqa: BLE001
-            if not self.backend or fn not in (self._draft, self._verify):
-                raise
-            first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
-            self.capture_failure = f"{type(e).__name__}: {first}" if first else type(e).__name__
-            warnings.warn(f"capture failed ({self.capture_failure}); running the cycle uncaptured", stacklevel=2)
-            eager = self.draft_fn if fn is self._draft else self.verify_fn
-            self.backend, self._draft, self._verify = None, self.draft_fn, self.verify_fn
-            return eager(*args)
-
-    def read_back(self, readout: torch.Tensor) -> list[list[int]]:
-        """(accepted, deepest depth, new tokens...) per row: the cycle's one designated host read."""
-        if self.counter is not None:
-            return self.counter.exempt(readout.tolist)
-        return readout.tolist()
-
-    @torch.no_grad()
-    def step(self) -> list[tuple[int, list[int], int]]:
-        """One cycle for every row: draft, verify, accept, commit. Returns, per busy row, (row,
-        tokens it produced, draft tokens accepted), before stop handling."""
-        t0 = time.perf_counter()
-        b, dev = self.batch, self.run.device
-        if self.speculative:
-            tokens, parents, depth, anc, scores, self.head_len = self._call(
-                "draft", self._draft, self.new_tokens, self.new_features, self.head_len, self.n_new, self.root, self.active)
-        else:
-            tokens, scores = self.root[:, None], None
-            parents = torch.full((b, 1), -1, dtype=torch.long, device=dev)
-            depth = torch.zeros(b, 1, dtype=torch.long, device=dev)
-            anc = torch.ones(b, 1, 1, dtype=torch.bool, device=dev)
-        t1 = time.perf_counter()
-        n = tokens.shape[1]
-        state = (self.seq_len, self.root, self.n_new, self.new_features, self.active)
-        if self.one_product and not any(s is not None and s.host_side for s in self.slots):
-            path, *new = self._call("verify", self._verify, tokens, parents, depth, anc, *state)
-        else:
-            def host():
-                p, acc, bon, feats = self._verify_host(tokens, parents, depth, anc, scores)
-                return (p,) + self.commit_fn(tokens, depth, p, acc, bon, feats, *state)
-            path, *new = self._call("verify", host)
-        if self.backend == "cuda-graphs":  # a replay's outputs are overwritten by the next replay
-            path, new = path.clone(), [t.clone() if t is not None else None for t in new]
-        self.seq_len, self.root, self.n_new, self.new_tokens, self.new_features, readout = new
-        values = self.read_back(readout)
-        self.absorb = 1 + max(v[0] for v, s in zip(values, self.slots) if s is not None)
-        t2 = time.perf_counter()
-        self.last = {"tree": n, "draft_s": t1 - t0, "verify_s": t2 - t1, "busy": self.busy, "batch": b}
-        out = []
-        for i, s in enumerate(self.slots):
-            if s is None:
-                continue
-            a, deepest = values[i][0], values[i][1]
-            self.host_len[i] += a + 1
-            s.summary.record_cycle(a, n, deepest, t1 - t0, t2 - t1)
-            out.append((i, values[i][2 : 3 + a], a))
-        if scores is not None and (self.chooser is not None or self.record_confidence):
-            self._observe(scores, path, [v[0] for v in values], t1 - t0, t2 - t1)
-        return out
-
-    def _observe(self, scores, path, accepted: list[int], draft_s: float, verify_s: float) -> None:
-        """Calibration evidence (section 3): each drafted node's path probability and whether it
-        was accepted, for the chooser's per-bin correction and compare's calibration table."""
-        busy = [i for i, s in enumerate(self.slots) if s is not None]
-        # paths are padded with the root (column 0, dropped below), so one scatter marks each row's path
-        on = torch.zeros(len(busy), scores.shape[1], dtype=torch.float, device=scores.device).scatter_(1, path[busy], 1.0)
-        probs = scores[busy, 1:].exp()
-        if self.chooser is not None:
-            self.chooser.observe(probs, on[:, 1:], 1000 * draft_s, 1000 * verify_s, self.steps, sum(accepted[i] + 1 for i in busy))
-        if self.record_confidence:
-            for j, i in enumerate(busy):
-                self.slots[i].summary.record_confidence(probs[j], on[j, 1:])
-
-
 # -- the engine: one loop over a queue of requests ---------------------------------------------------
 
 class Engine:
@@ -691,8 +74,6 @@ class Engine:
         self.compile = compile
         self.record_confidence = record_confidence
         if costs is None and run.device.type == "cpu" and head is not None:
-            from .costs import load_or_measure
-
             costs = load_or_measure(model, head)  # cached per machine, model, dtype and threads
         self.costs = costs
         # Greedy acceptance's lm_head plan, from this machine's measured costs: every tree row in
@@ -702,7 +83,7 @@ class Engine:
         self.chooser = None  # the per-cycle budget, kept across runs: a chat's later turns use what earlier ones measured
         if head is not None and not self.graph and self.tree.budget == "auto" and self.tree.shape == "dynamic":
             if costs is None:
-                raise ValueError("budget='auto' needs measured costs (costs.load_or_measure)")
+                raise ValueError("budget='auto' needs measured costs (measure.load_or_measure)")
             k = self.tree.top_k
             self.chooser = BudgetChooser(costs, self.tree.total_tokens, costs.draft_step_ms(k), batch_costs=batch_costs,
                                          step_at=lambda b: costs.draft_step_ms(k * b))
@@ -729,7 +110,8 @@ class Engine:
         elif c.batch < self.batch:
             c.widen(self.batch)  # the same cycle, so its captured functions serve this run too
         c.ensure_capacity(capacity)
-        c.chooser, c.one_product, c.record_confidence, c.counter = self.chooser, self.one_product, self.record_confidence, self.counter
+        c.policy = TreePolicy(self.chooser) if self.chooser is not None else None
+        c.one_product, c.record_confidence, c.counter = self.one_product, self.record_confidence, self.counter
         c.reset()
         if self.chooser is not None:
             self.chooser.start_run(c.batch)
@@ -741,7 +123,7 @@ class Engine:
         run = self.runner
         if self.eos_ids is None:
             self.eos_ids = model_eos_ids(run.model, self.tokenizer)  # once: a tokenizer's vocabulary is slow to read
-        # what `admit` asks of the cache: the prompt, every new token and one more slot (else the
+        # what `admit` asks of the cache: the prompt, every new token and one more cell (else the
         # first admit doubles every K/V buffer: 4 s of a 27 s prompt-file run at batch 32)
         longest = max((len(r.ids) + r.gen.max_new_tokens + 1 for r in queue), default=64)
         cycle = self._cycle_for(min(run.max_positions, longest))
@@ -782,7 +164,7 @@ class Engine:
                 n = cycle.last["tree"]
                 self.stats["tree_sizes"][n] = self.stats["tree_sizes"].get(n, 0) + 1
                 if self.chooser is not None and cycle.speculative and not self.chooser.drafting_pays:
-                    cycle.speculative = False  # measured: drafting does not pay here (a useless head costs little)
+                    cycle.stop_drafting()  # measured: drafting does not pay here (a useless head costs little)
                     self.stats["plain_from_cycle"] = self.stats["cycles"]
                 for b, toks, accepted in rows:
                     s = cycle.slots[b]

@@ -187,20 +187,20 @@ def _head_fused(head):
 
 def head_layer(head, x: torch.Tensor, position_embeddings, mask, cache) -> torch.Tensor | None:
     """The head's one layer over `x` [1, m, H] through the native loop, writing its K/V at the
-    cache's slots, or None where this step is not one it serves (then the stock layer runs):
-    one sequence whose new slots are one run after the context (a draft step in live mode), no
+    cache's cells, or None where this step is not one it serves (then the stock layer runs):
+    one sequence whose new cells are one run after the context (a draft step in live mode), no
     gradient, not captured or fixed (a fixed cycle reads nothing back to the host), a native build
     at hand."""
-    # our KVCache only (training and other callers pass transformers' caches): live, one row, slots known
+    # our KVCache only (training and other callers pass transformers' caches): live, one row, cells known
     if x.shape[0] != 1 or getattr(cache, "static", True) or getattr(cache, "row", 0) is not None or torch.is_grad_enabled() \
             or torch.compiler.is_compiling() or not isinstance(mask, torch.Tensor) or not cache.layers[0].is_initialized:
         return None
-    slots = cache.slots
-    if slots is None or slots.dim() != 2 or slots.device.type != "cpu":
+    cells = cache.cells
+    if cells is None or cells.dim() != 2 or cells.device.type != "cpu":
         return None
     m = x.shape[1]
-    start = int(slots[0, 0])
-    if not torch.equal(slots[0], torch.arange(start, start + m)):
+    start = int(cells[0, 0])
+    if not torch.equal(cells[0], torch.arange(start, start + m)):
         return None
     fused = _head_fused(head)
     loop = native_loop() if fused is not None else None
@@ -288,7 +288,7 @@ class LeanBody:
 
     def __call__(self, tokens, positions, mask, cache, seen: dict | None = None, layers: tuple[int, ...] | None = None):
         """Final-norm hidden states [B, n, H] of `tokens` at `positions` ([B, n]) on `cache`
-        (engine.KVCache: each layer's `update` writes the new K/V and returns what to attend),
+        (kvcache.KVCache: each layer's `update` writes the new K/V and returns what to attend),
         `mask` additive [B, 1, n, view]; the residual stream entering each of `layers` goes to
         `seen` (EAGLE-3's features, section 3.2 of its paper)."""
         b, n = tokens.shape

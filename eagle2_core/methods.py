@@ -28,7 +28,7 @@ def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=Non
     pld (HF prompt lookup, 10 tokens), sps (HF assisted generation with `assistant_model`), static/chain
     (our EAGLE-1 tree and chain draft shapes with the same head), tree:N/D/K (the dynamic tree with another
     budget: total tokens / depth / top-k), so tree sizes can be swept against one shared baseline; graph and
-    compiled (EAGLE-2 in fixed mode, uncaptured and captured: engine.py), generate-compiled (HF generate
+    compiled (EAGLE-2 in fixed mode, uncaptured and captured: cycle.py), generate-compiled (HF generate
     with a static cache and torch.compile, the strongest plain decoding transformers offers).
     `plain` (None: on where the target runs on a CPU): eagle2's own plain decoding, so a speedup
     splits into kernels alone (plain over generate) and speculation alone (eagle2 over plain)."""

@@ -5,7 +5,7 @@ Built once per machine by torch's own extension builder (a C++ compiler and ninj
 in torch's extensions folder; install.sh builds it at set-up). `-march=native`: the kernel is
 written with the compiler's vector extensions, so the build decides AVX-512, AVX2 or NEON from
 the machine at hand, and whether it is worth running is decided by measurement (the product plan,
-costs.measure_products), never by a rule per CPU. The build's name carries a digest of the CPU's
+measure.measure_products), never by a rule per CPU. The build's name carries a digest of the CPU's
 model and flags, so a cache folder shared by two machines never hands one the other's code.
 Where a flag is refused the build is retried plainer; where no build works everything runs in
 Python and torch's kernels, and `status()` says why.

@@ -66,7 +66,7 @@ class OpCounter(TorchDispatchMode):
             self.stage = "other"
 
     def exempt(self, fn, *args):
-        """The cycle's one designated host read (`engine.Cycle.read_back`)."""
+        """The cycle's one designated host read (`cycle.Cycle.read_back`)."""
         self.designated = True
         try:
             return fn(*args)

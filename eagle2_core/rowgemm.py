@@ -19,7 +19,7 @@ faster kernels for the same product, so which one runs is a *plan*, measured per
   works and the weight fits it (contiguous, rows a multiple of 16 values, 32 in bfloat16).
 
 The plan (`ProductPlan`) gives a kernel per weight shape, dtype and row bucket, measured by
-the cost profile (costs.measure_products) and installed here; every packing is made once, at
+the cost profile (measure.measure_products) and installed here; every packing is made once, at
 load (`prepare`), with one packing per weight whatever the rows. Until a plan is installed every
 product is `linear`. `EAGLE2_KERNEL=linear|transposed|packed` forces one kernel everywhere
 (tests run each in turn; also a way to rule kernels out when chasing a difference).
@@ -165,7 +165,7 @@ _PACKED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
 def install_plan(plan: ProductPlan) -> None:
-    """Make `plan` the one every product follows (costs.load_or_measure calls this);
+    """Make `plan` the one every product follows (measure.load_or_measure calls this);
     EAGLE2_KERNEL, where set, wins over any measured plan."""
     global PLAN
     PLAN = env_forced() or plan

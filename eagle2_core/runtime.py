@@ -11,21 +11,23 @@ from dataclasses import dataclass, field
 import torch
 
 from . import rowgemm
+from .costs import BATCH_TREES, plan, prior_expected
 from .engine import Engine
 from .events import GenerationSettings
 from .head import DraftHead, HeadSpec
 from .loading import LoadedTarget, LoadError, default_head_for, load_draft_head, load_target
+from .measure import load_or_measure, load_or_measure_batch
 from .prompts import encode_chat
 from .sampling import generation_description, generation_label, settings_from_model
 from .target import context_length
-from .treesettings import TreeSettings, auto_max, device_trees
+from .treesettings import BATCH_DEPTH, BATCH_TOP_K, TreeSettings, auto_max, device_trees
 from .vanilla import VanillaDecoder
 
 RANDOM_HEAD = "random"
 
 
 def supports_graph(tree: TreeSettings) -> bool:
-    """Fixed mode (engine.py: fixed shapes, captured) takes the dynamic tree with a constant budget; other trees run live."""
+    """Fixed mode (cycle.py: fixed shapes, captured) takes the dynamic tree with a constant budget; other trees run live."""
     return tree.shape == "dynamic" and tree.budget == "constant"
 
 
@@ -91,7 +93,7 @@ class Runtime:
     chat_template: str | None = None
     draft_name: str = ""
     costs: object = field(default=None, repr=False)  # the measured CostProfile, loaded on first need
-    compile: str | None = None  # torch.compile backend of the fixed-mode cycle (engine.py), None = uncaptured
+    compile: str | None = None  # torch.compile backend of the fixed-mode cycle (cycle.py), None = uncaptured
     graph: bool = False         # graph mode: fixed shapes on static buffers (on with compile, and on CUDA by default)
     _decoders: dict = field(default_factory=dict, repr=False)  # one per setting: a captured cycle is compiled once
     auto_tree: TreeSettings | None = None  # the per-cycle budget's settings (`--total-tokens auto`, `compare --against auto`)
@@ -123,8 +125,6 @@ class Runtime:
         tree = dict(tree or {})
         costs = None
         if out.device.type == "cpu" and head is not None:
-            from .costs import load_or_measure
-
             # measured once per machine, model, dtype and threads, then cached: the default tree of a
             # half-precision target and greedy acceptance's lm_head plan follow it
             costs = load_or_measure(target.model, head)
@@ -203,8 +203,6 @@ class Runtime:
 
     def cost_profile(self, remeasure: bool = False):
         """This machine's measured costs for this model and head (cached; `eagle2 tune` remeasures)."""
-        from .costs import load_or_measure
-
         if remeasure or self.costs is None:
             self.costs = load_or_measure(self.model, self.head, remeasure=remeasure)
         return self.costs
@@ -223,13 +221,11 @@ class Runtime:
         an int `tree_tokens` pin them (N = 1: plain decoding). None means batch 1 with this
         runtime's tree: `eagle()`, the same engine with one row.
         """
-        from .costs import BATCH_TREES, load_or_measure_batch, plan, prior_expected
-
         if batch_size == 1 and tree_tokens != 1:
             return None, {"batch_size": 1, "tree_tokens": "per-prompt decoder", "reason": "pinned"}
         usable = self.head is not None and not self.head_is_random
-        depth = depth or 3
-        top_k = top_k or 2
+        depth = depth or BATCH_DEPTH
+        top_k = top_k or BATCH_TOP_K
         pinned_n = tree_tokens if isinstance(tree_tokens, int) else None
         if pinned_n is not None and pinned_n > 1 and self.head is None:
             raise LoadError("a tree of more than one node needs a draft head")

@@ -12,7 +12,8 @@ EAGLE-2 (Li et al., 2024, section 4) builds the tree in two phases:
   * rerank: among every node drafted in the expansion phase, keep the `budget` with the highest
     path score. A child's path score never exceeds its parent's, so the kept set is a tree.
 The functions below are those two steps plus the mask/position bookkeeping; the loop that calls
-the draft head is `engine.Cycle.draft`. Every function takes a batch of trees, one per sequence.
+the draft head is `cycle.Cycle.draft_fn` (its tree growth: `Cycle._grow_dynamic` and
+`Cycle._grow_static`). Every function takes a batch of trees, one per sequence.
 """
 from __future__ import annotations
 
@@ -141,11 +142,11 @@ def choices_to_levels(choices: list[tuple[int, ...]]) -> list[list[tuple[int, in
     return levels
 
 
-# -- attention masks, batched: slot = position in every row of the cache (engine.KVCache) -----
+# -- attention masks, batched: a cache cell has one index in every row (kvcache.KVCache) --------
 
 def context_and_tree(past: torch.Tensor, visible: torch.Tensor, view: int) -> torch.Tensor:
-    """[B, n, view] bool: row b's n queries see its context slots < past[b], plus the m tree rows
-    at slots past[b] .. past[b] + m - 1 that `visible` [B, n, m] marks (tree attention, section 3)."""
+    """[B, n, view] bool: row b's n queries see its context cells < past[b], plus the m tree rows
+    at cells past[b] .. past[b] + m - 1 that `visible` [B, n, m] marks (tree attention, section 3)."""
     b, n, m = visible.shape
     k = torch.arange(view, device=visible.device)
     allowed = (k[None, None, :] < past[:, None, None]).expand(b, n, view).clone()
@@ -154,7 +155,7 @@ def context_and_tree(past: torch.Tensor, visible: torch.Tensor, view: int) -> to
 
 
 def causal_rows(positions: torch.Tensor, view: int) -> torch.Tensor:
-    """[B, n, view] bool: a query at position p sees slots <= p (prefill and the draft's absorb)."""
+    """[B, n, view] bool: a query at position p sees cells <= p (prefill and the draft's absorb)."""
     return torch.arange(view, device=positions.device)[None, None, :] <= positions[:, :, None]
 
 

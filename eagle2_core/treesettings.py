@@ -14,6 +14,10 @@ import torch
 
 AUTO_MAX_CPU, AUTO_MAX_GPU = 16, 60  # the largest tree `--total-tokens auto` may choose
 AUTO_DEPTH_CPU = 4  # the deepest expansion there; each cycle stops where deeper levels stop paying (budget.py)
+# A prompt file's batched trees (Runtime.batch_decoder, `eagle2 tune --batch`) expand this deep and
+# this wide unless given: the batch cost grid (costs.BatchCosts) is measured for one expansion,
+# and its trees are small (costs.BATCH_TREES), so a shallow, narrow one fills them.
+BATCH_DEPTH, BATCH_TOP_K = 3, 2
 
 
 @dataclass

@@ -11,7 +11,7 @@ import tempfile
 import pytest
 
 # Cost profiles (and any other cache) go to a folder of this test session, not the user's cache:
-# greedy decoding on a CPU measures one per model the first time it runs (costs.py).
+# greedy decoding on a CPU measures one per model the first time it runs (measure.py).
 os.environ.setdefault("EAGLE2_CACHE", tempfile.mkdtemp(prefix="eagle2-test-cache-"))
 # The product plan (rowgemm.py) is pinned to F.linear, so float summation order never follows the
 # timings of the moment; each other kernel is forced in turn by the tests that are about it.

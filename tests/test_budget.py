@@ -225,34 +225,35 @@ def test_draft_overhead_is_not_charged_per_step():
 
 def test_profile_cache_remeasures_on_a_new_key_and_ignores_a_corrupt_file(tmp_path, monkeypatch, tiny_lm, fitted_head):
     import eagle2_core.costs as costs
+    import eagle2_core.measure as measure
 
     monkeypatch.setenv("EAGLE2_CACHE", str(tmp_path))
     model = tiny_lm("llama", vocab_size=VOCAB, max_position_embeddings=MAXPOS)
     head = fitted_head(model)
     calls = []
-    real = costs.measure_profile
+    real = measure.measure_profile
 
     def counting(m, h, **kw):
         calls.append(1)
         return real(m, h, verify_rows=(1, 2, 4), draft_rows=(1, 2), reps=1)
 
-    monkeypatch.setattr(costs, "measure_profile", counting)
-    a = costs.load_or_measure(model, head)
-    b = costs.load_or_measure(model, head)
+    monkeypatch.setattr(measure, "measure_profile", counting)
+    a = measure.load_or_measure(model, head)
+    b = measure.load_or_measure(model, head)
     assert len(calls) == 1 and b.verify_ms == pytest.approx(a.verify_ms, abs=1e-3)  # cached (rounded to the microsecond)
     assert sorted(b.lm_head_ms) == list(costs.LM_HEAD_ROWS) and b.key["version"] == costs.PROFILE_VERSION
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)  # another thread count is another machine as far as costs go
     try:
-        costs.load_or_measure(model, head)
+        measure.load_or_measure(model, head)
     finally:
         torch.set_num_threads(threads)
     assert len(calls) == 2
-    path = costs._cache_path(costs.profile_key(model, head))
+    path = measure._cache_path(costs.profile_key(model, head))
     with open(path, "w") as f:
         f.write("{not json")
     with pytest.warns(UserWarning, match="unreadable cost profile"):
-        costs.load_or_measure(model, head)
+        measure.load_or_measure(model, head)
     assert len(calls) == 3
     assert json.load(open(path))["verify_ms"]  # rewritten whole
 

@@ -116,7 +116,7 @@ def test_drafted_tokens_stay_in_the_draft_vocabulary(env3, monkeypatch):
 
 
 def test_the_head_reads_the_fused_feature_not_the_last_hidden_state(tiny_lm):
-    """The engine's target forward (TargetRunner.body_forward on engine.KVCache, with the layer
+    """The engine's target forward (TargetRunner.body_forward on kvcache.KVCache, with the layer
     hooks) returns the fused feature hidden_states[2, L//2, L-3], and changing what enters layer
     L-3 changes the EAGLE-3 draft, proving the fused feature is wired in."""
     from eagle2_core.engine import KVCache, num_cache_layers
@@ -128,7 +128,7 @@ def test_the_head_reads_the_fused_feature_not_the_last_hidden_state(tiny_lm):
     ids = torch.tensor([1, 2, 3, 4])
     pos = torch.arange(4)[None]
     cache = KVCache(num_cache_layers(model.config), 1, 16)
-    cache.slots, cache.view = pos, 4
+    cache.cells, cache.view = pos, 4
     mask = run.masks(lambda w: windowed(causal_rows(pos, 4), pos, pos, w))
     with torch.no_grad(), capture_layer_inputs(run.body, head.feature_layers) as seen:
         _, feats = run.body_forward(ids[None], pos, mask, cache, seen, head.feature_layers)

@@ -1,4 +1,4 @@
-"""The decoding engine (engine.py): one cycle with a batch dimension, live and fixed modes, exact.
+"""The decoding engine (engine.py, cycle.py, kvcache.py): one cycle with a batch dimension, live and fixed modes, exact.
 
 On the tiny targets of the identity tests (Llama, Qwen2, Mistral with a sliding window, Gemma 3
 hybrid; vocabulary 12, context 40) with a draft head fitted to each, and a Qwen2 of 8 layers with
@@ -17,7 +17,7 @@ an EAGLE-3 head drafting over a pruned vocabulary:
   * a seeded sample is the same at B = 1 and 3, for every tree size, live or fixed, drafted or plain;
   * a fixed-mode cycle at B = 1 and B = 4 dispatches the same ops whatever was accepted and reads
     the host nowhere but its one designated read (`Cycle.read_back`);
-  * the KV cache: rows, commit, grow, compact, and a committed path equals the sequential cache;
+  * the KV cache: rows, commit, grow, compact, crop, copy_row, and a committed path equals the sequential cache;
   * the batch-size plan follows the measured costs; a random head stops drafting (per-cycle budget).
 """
 from __future__ import annotations
@@ -398,14 +398,14 @@ def test_a_fixed_cycle_dispatches_the_same_ops_and_reads_only_its_one_read(tiny_
 def test_kv_cache_rows_commit_grow_and_compact():
     c = KVCache(num_layers=2, batch=3, capacity=8)
     lay, unused = c.layers
-    slots = torch.arange(8).expand(3, 8)
-    val = (100 * torch.arange(3)[:, None] + slots).float()             # row r, slot s holds 100 r + s
+    cells = torch.arange(8).expand(3, 8)
+    val = (100 * torch.arange(3)[:, None] + cells).float()             # row r, cell s holds 100 r + s
     kv = lambda v: v[:, None, :, None].expand(-1, 2, -1, 3).clone()   # noqa: E731  [B, heads, n, dim]
-    c.slots, c.view = slots, 8
-    keys, values = lay.update(kv(val), -kv(val))                       # every row at its own slots
+    c.cells, c.view = cells, 8
+    keys, values = lay.update(kv(val), -kv(val))                       # every row at its own cells
     assert keys.shape == (3, 2, 8, 3) and torch.equal(keys[:, 0, :, 0], val) and torch.equal(values[:, 1, :, 2], -val)
     assert not unused.is_initialized
-    c.row, c.slots, c.view = 1, torch.arange(3), 3                       # one row's prefill: that row only
+    c.row, c.cells, c.view = 1, torch.arange(3), 3                       # one row's prefill: that row only
     keys, values = lay.update(torch.full((1, 2, 3, 3), 7.0), torch.full((1, 2, 3, 3), -7.0))
     c.row = None
     assert keys.shape == (1, 2, 3, 3) and (keys == 7).all() and (values == -7).all()
@@ -414,7 +414,7 @@ def test_kv_cache_rows_commit_grow_and_compact():
     assert lay.get_mask_sizes(5) == (3, 0) and lay.get_max_length() == 8
     with pytest.raises(RuntimeError, match="per row"):
         lay.get_seq_length()
-    # commit: per row, slots src -> dst with overlapping ranges (the right side is gathered first)
+    # commit: per row, cells src -> dst with overlapping ranges (the right side is gathered first)
     src = torch.tensor([[0, 2, 3, 5], [4, 5, 6, 7], [1, 1, 2, 6]])
     dst = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [2, 3, 4, 5]])
     want = val.clone()
@@ -427,17 +427,40 @@ def test_kv_cache_rows_commit_grow_and_compact():
     assert torch.equal(lay.keys[:, 0, :8, 0], want) and not lay.keys[:, :, 8:].any()
     c.compact(torch.tensor([2, 0]))                                      # rows 2 and 0, in that order
     assert c.batch == 2 and torch.equal(lay.keys[:, 0, :8, 0], want[[2, 0]]) and torch.equal(lay.values[:, 0, :8, 0], -want[[2, 0]])
-    c.slots, c.view = torch.tensor([[8], [9]]), 10                        # the smaller batch writes on
+    c.cells, c.view = torch.tensor([[8], [9]]), 10                        # the smaller batch writes on
     keys, _ = lay.update(torch.ones(2, 2, 1, 3), torch.ones(2, 2, 1, 3))
     assert keys.shape == (2, 2, 10, 3) and keys[0, 0, 8, 0] == 1 and keys[1, 0, 9, 0] == 1 and keys[0, 0, 9, 0] == 0
     assert (bucket(1), bucket(64), bucket(65), bucket(3, least=1), bucket(1, least=1)) == (64, 64, 128, 4, 1)
+
+
+def test_kv_cache_crop_and_copy_row_keep_the_buffers():
+    """`copy_row` makes one row another's copy and `crop` zeroes a row past a length, every layer,
+    other rows untouched, in place (a fixed-mode capture reads the same buffers); a layer never
+    written stays unmade."""
+    c = KVCache(num_layers=2, batch=3, capacity=6, static=True)
+    lay, unused = c.layers
+    val = (100 * torch.arange(3)[:, None] + torch.arange(6)).float()  # row r, cell s holds 100 r + s
+    c.cells, c.view = torch.arange(6).expand(3, 6), 6
+    lay.update(val[:, None, :, None].expand(-1, 2, -1, 3).clone(), -val[:, None, :, None].expand(-1, 2, -1, 3).clone())
+    ptrs = (lay.keys.data_ptr(), lay.values.data_ptr())
+    c.copy_row(0, 2)
+    want = val.clone()
+    want[2] = val[0]
+    assert torch.equal(lay.keys[:, 0, :, 0], want) and torch.equal(lay.values[:, 1, :, 2], -want)
+    c.crop(2, 4)
+    want[2, 4:] = 0
+    assert torch.equal(lay.keys[:, 1, :, 1], want) and torch.equal(lay.values[:, 0, :, 0], -want)
+    c.crop(1, 0)  # a whole row
+    want[1] = 0
+    assert torch.equal(lay.keys[:, 0, :, 2], want) and torch.equal(lay.values[:, 1, :, 1], -want)
+    assert (lay.keys.data_ptr(), lay.values.data_ptr()) == ptrs and not unused.is_initialized
 
 
 def prefill_reference(run: TargetRunner, ids: torch.Tensor, layers: int):
     """The sequential cache: `ids` run causally into a fresh one-row cache; (cache, hidden)."""
     n = ids.numel()
     cache, pos = KVCache(layers, 1, n), torch.arange(n)
-    cache.row, cache.slots, cache.view = 0, pos, n
+    cache.row, cache.cells, cache.view = 0, pos, n
     mask = run.masks(lambda w: windowed(causal_rows(pos[None], n), pos[None], pos[None], w))
     hidden, _ = run.body_forward(ids[None], pos[None], mask, cache, {}, None)
     return cache, hidden[0]
@@ -447,7 +470,7 @@ def prefill_reference(run: TargetRunner, ids: torch.Tensor, layers: int):
 def test_committed_paths_equal_the_sequential_cache(tiny_lm, arch):
     """Two rows with prefixes of different lengths (longer than the sliding windows; the second
     grows the cache, whose first row must survive), prefilled by `Cycle.admit`; a random 12-node
-    tree per row verified in one forward (`Cycle._forward`); `KVCache.commit` of a random
+    tree per row verified in one forward (`Cycle.forward_tree`); `KVCache.commit` of a random
     root-to-node path per row: each row's keys and values, every layer, equal those of running its
     prefix + path tokens causally, and the path nodes' hidden states equal the sequential ones."""
     rng = random.Random(CORE_ARCHS.index(arch))
@@ -467,7 +490,7 @@ def test_committed_paths_equal_the_sequential_cache(tiny_lm, arch):
         parents = torch.tensor([[-1] + [rng.randrange(i) for i in range(1, n)] for _ in range(2)])
         tokens = torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
         depth, anc = batch_trees(parents, n - 1)
-        hidden, _ = cycle._forward(tokens, depth, anc, cycle.seq_len)
+        hidden, _ = cycle.forward_tree(tokens, depth, anc, cycle.state.seq_len)
         paths = []
         for b in range(2):
             node = max(range(n), key=lambda i: (int(depth[b, i]), rng.random())) if b == 0 else rng.randrange(n)
@@ -476,8 +499,8 @@ def test_committed_paths_equal_the_sequential_cache(tiny_lm, arch):
                 path.append(int(parents[b, path[-1]]))
             paths.append(path[::-1])
         w = max(len(p) for p in paths)
-        src = torch.tensor([p + [0] * (w - len(p)) for p in paths]) + cycle.seq_len[:, None]
-        cycle.cache.commit(src, cycle.seq_len[:, None] + torch.arange(w))
+        src = torch.tensor([p + [0] * (w - len(p)) for p in paths]) + cycle.state.seq_len[:, None]
+        cycle.cache.commit(src, cycle.state.seq_len[:, None] + torch.arange(w))
         for b, (prefix, path) in enumerate(zip(prefixes, paths)):
             seq = torch.cat([prefix, tokens[b, path]])
             ref, ref_hidden = prefill_reference(run, seq, layers)

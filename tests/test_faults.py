@@ -234,14 +234,14 @@ def test_compile_on_a_capturable_tree_has_no_notice(tiny_model_dir, tiny_head_di
 
 def test_a_capture_failure_is_reported_as_what_ran(tmp_path, tiny_model_dir, tiny_head_dir, monkeypatch):
     """A cycle whose capture fails runs uncaptured: compare's JSON and table say so, not 'compiled'."""
-    from eagle2_core import engine
+    from eagle2_core import cycle
 
     def broken(fn, backend):
         def run(*args):
             raise RuntimeError("no C compiler found\nmore detail")
         return run
 
-    monkeypatch.setattr(engine, "_compile", broken)
+    monkeypatch.setattr(cycle, "_compile", broken)
     out = tmp_path / "c.json"
     with pytest.warns(UserWarning, match="capture failed \\(RuntimeError: no C compiler found\\); running the cycle uncaptured"):
         r = CliRunner().invoke(cli, ["compare", "--no-vanilla", "--limit", "1", "-n", "4", "--warmup-tokens", "2", "--against", "compiled,graph,batch:2",

@@ -47,7 +47,7 @@ def run_both(run, ids, tree_parents, lean: bool, monkeypatch):
     n = len(ids)
     cache = KVCache(num_cache_layers(run.config), 1, 32)
     pos = torch.arange(n)[None]
-    cache.row, cache.slots, cache.view = 0, pos[0], n
+    cache.row, cache.cells, cache.view = 0, pos[0], n
     mask = run.masks(lambda w: windowed(causal_rows(pos, n), pos, pos, w))
     with torch.no_grad():
         pre, _ = run.body_forward(ids[None], pos, mask, cache, {}, None)
@@ -57,9 +57,9 @@ def run_both(run, ids, tree_parents, lean: bool, monkeypatch):
         depth, anc = batch_trees(parents, m)
         seq_len = torch.tensor([n])
         view = n + m
-        cache.slots, cache.view = seq_len[:, None] + torch.arange(m), view
+        cache.cells, cache.view = seq_len[:, None] + torch.arange(m), view
         q_pos = seq_len[:, None] + depth
-        k_pos = torch.arange(view)[None].scatter(1, cache.slots, q_pos)
+        k_pos = torch.arange(view)[None].scatter(1, cache.cells, q_pos)
         mask = run.masks(lambda w: windowed(context_and_tree(seq_len, anc, view), q_pos, k_pos, w))
         tree, _ = run.body_forward(torch.tensor([[3, 5, 7, 2, 9]])[:, :m], q_pos, mask, cache, {}, None)
     return pre, tree, [layer.keys.clone() for layer in cache.layers]
@@ -180,7 +180,7 @@ def test_the_native_loop_is_the_python_loop(arch, kernel, dtype):
             cache = KVCache(num_cache_layers(run.config), 1, 32)
             ids = torch.tensor([1, 4, 2, 8, 5, 7])
             pos = torch.arange(6)[None]
-            cache.row, cache.slots, cache.view = 0, pos[0], 6
+            cache.row, cache.cells, cache.view = 0, pos[0], 6
             with torch.no_grad():
                 mask = run.masks(lambda w: windowed(causal_rows(pos, 6), pos, pos, w))
                 assert lean._native(1, 6, mask, cache, None) == (None, None)  # a prefill row
@@ -191,9 +191,9 @@ def test_the_native_loop_is_the_python_loop(arch, kernel, dtype):
                     m = len(parents)
                     depth, anc = batch_trees(torch.tensor([parents]), m)
                     seq_len = torch.tensor([6])
-                    cache.slots, cache.view, cache.start = seq_len[:, None] + torch.arange(m), 6 + m, 6
+                    cache.cells, cache.view, cache.start = seq_len[:, None] + torch.arange(m), 6 + m, 6
                     q_pos = seq_len[:, None] + depth
-                    k_pos = torch.arange(6 + m)[None].scatter(1, cache.slots, q_pos)
+                    k_pos = torch.arange(6 + m)[None].scatter(1, cache.cells, q_pos)
                     mask = run.masks(lambda w: windowed(context_and_tree(seq_len, anc, 6 + m), q_pos, k_pos, w))
                     assert (lean._native(1, m, mask, cache, None)[0] is not None) == native
                     assert lean._native(2, m, mask, cache, None) == (None, None)
@@ -215,7 +215,7 @@ def test_the_native_loop_is_the_python_loop(arch, kernel, dtype):
 def test_the_draft_heads_native_step_is_its_stock_layer(arch, dtype, monkeypatch):
     """A draft step (one head layer over a tree level's rows, written after the context) through
     the native loop gives the stock transformers layer's states and head cache: bit for bit in
-    bfloat16, to rounding in float32; the absorb of a prompt (no cache yet) and a step whose slots
+    bfloat16, to rounding in float32; the absorb of a prompt (no cache yet) and a step whose cells
     are not one run keep the stock layer. The fused copies follow the head's weights."""
     from eagle2_core.head import DraftHead, HeadSpec
     from eagle2_core.tree import additive
@@ -243,13 +243,13 @@ def test_the_draft_heads_native_step_is_its_stock_layer(arch, dtype, monkeypatch
         monkeypatch.setattr(leanbody, "native_loop", leanbody.native.module if native else (lambda: None))
         cache = KVCache(1, 1, 16)
         with torch.no_grad():
-            cache.slots, cache.view = torch.arange(6)[None], 6  # the prompt's pairs: no cache yet, the stock layer
+            cache.cells, cache.view = torch.arange(6)[None], 6  # the prompt's pairs: no cache yet, the stock layer
             head(ids[:, :6], feats[:, :6], torch.arange(6)[None], attention_mask=additive(causal_rows(torch.arange(6)[None], 6), dtype), cache=cache)
             depth, anc = batch_trees(torch.tensor([[-1, 0, 0]]), 3)
-            cache.slots, cache.view = 6 + torch.arange(3)[None], 9
+            cache.cells, cache.view = 6 + torch.arange(3)[None], 9
             mask = additive(context_and_tree(torch.tensor([6]), anc[:, :3, :3], 9), dtype)
             out = head(ids[:, 6:], feats[:, 6:], 6 + depth, attention_mask=mask, cache=cache)
-            cache.slots = torch.tensor([[9, 11, 10]])  # not one run: the stock layer
+            cache.cells = torch.tensor([[9, 11, 10]])  # not one run: the stock layer
             cache.view = 12
             mask2 = additive(context_and_tree(torch.tensor([9]), anc[:, :3, :3], 12), dtype)
             out2 = head(ids[:, 6:], feats[:, 6:], 9 + depth, attention_mask=mask2, cache=cache)

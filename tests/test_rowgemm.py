@@ -119,12 +119,12 @@ def test_plan_from_measured_kernels():
 def test_without_the_private_ops_no_packed_kernel_is_offered(monkeypatch, tiny_lm):
     """A torch build without (or with broken) oneDNN packed linear: measurement, plan, a stored
     plan and EAGLE2_KERNEL all leave packing out, and every product still runs."""
-    from eagle2_core import costs
+    from eagle2_core import costs, measure
 
     monkeypatch.setattr(rowgemm, "HAVE_PACKED", False)
     model = tiny_lm("llama")
     weights = costs.product_weights(model, None)
-    products = costs.measure_products(weights, rows=(1, 4), reps=1)
+    products = measure.measure_products(weights, rows=(1, 4), reps=1)
     assert products and all(not any(k.startswith("packed") for k in t) for by in products.values() for t in by.values())
     assert "packed" not in {k for by in costs.product_plan(products).kernels.values() for k in by.values()}
     stored = ProductPlan.from_json({"kernels": {"48x40 float32": {"1": "packed", "2": "transposed"}}})
@@ -168,13 +168,13 @@ def test_stream_steps_aside_for_weights_it_does_not_take():
 
 
 def test_without_the_native_build_no_stream_kernel_is_offered(monkeypatch, tiny_lm):
-    from eagle2_core import costs, native
+    from eagle2_core import costs, measure, native
 
     monkeypatch.setitem(native._STATE, "error", "no compiler (test)")
     monkeypatch.delitem(native._STATE, "module", raising=False)
     assert not rowgemm.have_stream() and "no compiler (test)" in native.status()
     weights = costs.product_weights(tiny_lm("llama"), None)
-    products = costs.measure_products(weights, rows=(1, 4), reps=1)
+    products = measure.measure_products(weights, rows=(1, 4), reps=1)
     assert products and not any("stream" in t for by in products.values() for t in by.values())
     assert ProductPlan.from_json({"kernels": {"k": {"1": "stream"}}}).kernels["k"] == {1: "linear"}
     with pytest.raises(ValueError, match="EAGLE2_KERNEL=stream: eagle2's native code is not built: no compiler"):
@@ -206,7 +206,7 @@ def test_env_forces_one_kernel(monkeypatch):
 
 
 def test_the_profile_measures_installs_and_packs(tiny_target, monkeypatch, tmp_path):
-    from eagle2_core import costs
+    from eagle2_core import costs, measure
     from eagle2_core.runtime import random_head
 
     monkeypatch.setenv("EAGLE2_CACHE", str(tmp_path))
@@ -217,9 +217,9 @@ def test_the_profile_measures_installs_and_packs(tiny_target, monkeypatch, tmp_p
     seen = []
     measured = {k: {1: {"linear": 2.0, "transposed": 1.0, "packed@16": 3.0}, 4: {"linear": 2.0, "transposed": 3.0, "packed@16": 1.0}}
                 for k in keys}
-    monkeypatch.setattr(costs, "measure_products", lambda ws, reps=5: seen.append(len(ws)) or measured)
+    monkeypatch.setattr(measure, "measure_products", lambda ws, reps=5: seen.append(len(ws)) or measured)
     rowgemm.install_plan(ProductPlan())
-    prof = costs.load_or_measure(tiny_target.model, head)
+    prof = measure.load_or_measure(tiny_target.model, head)
     assert len(seen) == 1 and seen[0] == len(weights)
     assert prof.stream_floor_ms > 0 and prof.weight_bytes == sum(p.numel() * 4 for p in tiny_target.model.parameters())
     w = weights[0]
@@ -228,13 +228,13 @@ def test_the_profile_measures_installs_and_packs(tiny_target, monkeypatch, tmp_p
     assert kernel_for(torch.randn(3, w.shape[1]), w) == expect_packed  # 3 rows follow the 4-row measurement
     rowgemm.install_plan(ProductPlan())
     rowgemm.release()
-    again = costs.load_or_measure(tiny_target.model, head)  # from the cache: installed and packed again, not measured
+    again = measure.load_or_measure(tiny_target.model, head)  # from the cache: installed and packed again, not measured
     assert len(seen) == 1 and again.products == prof.products and again.stream_floor_ms == prof.stream_floor_ms
     assert kernel_for(torch.randn(3, w.shape[1]), w) == expect_packed
 
 
 def test_products_are_measured_per_shape_for_target_and_head(tiny_lm):
-    from eagle2_core import costs
+    from eagle2_core import costs, measure
     from eagle2_core.head import DraftHead, HeadSpec
 
     model = tiny_lm("llama")
@@ -242,7 +242,7 @@ def test_products_are_measured_per_shape_for_target_and_head(tiny_lm):
     weights = costs.product_weights(model, head)
     assert model.lm_head.weight in [w for w in weights if w is model.lm_head.weight]
     assert any(w is head.fc.weight for w in weights) and len({id(w) for w in weights}) == len(weights)
-    products = costs.measure_products(weights, rows=(1, 2), reps=1)
+    products = measure.measure_products(weights, rows=(1, 2), reps=1)
     assert set(products) == {rowgemm.shape_key(w) for w in weights}
     kinds = {"linear", "transposed"} | ({f"packed@{h}" for h in costs.PACK_HINTS} if rowgemm.HAVE_PACKED else set())
     streams = {"stream"} if rowgemm.have_stream() else set()
@@ -250,7 +250,7 @@ def test_products_are_measured_per_shape_for_target_and_head(tiny_lm):
         fits = rowgemm.stream_fits(next(w for w in weights if rowgemm.shape_key(w) == key))
         assert all(set(t) == kinds | (streams if fits else set()) and all(v > 0 for v in t.values()) for t in by.values())
     assert streams <= {k for by in products.values() for t in by.values() for k in t}  # the tiny model has shapes it takes
-    assert costs.measure_products([w.half() for w in weights], reps=1) == {}  # float16: no candidate but linear
+    assert measure.measure_products([w.half() for w in weights], reps=1) == {}  # float16: no candidate but linear
 
 
 def test_row_linears_is_scoped_and_leaves_hooks_alone():

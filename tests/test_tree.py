@@ -1,7 +1,7 @@
 """Draft-tree construction: the pure functions of `eagle2_core.tree`, checked against brute force.
 
 No model is involved except in the last section, where a random draft head (the target is not
-run) checks that `engine.Cycle.draft_fn` builds the tree it claims: every node's children are
+run) checks that `cycle.Cycle.draft_fn` builds the tree it claims: every node's children are
 the head's top-ranked tokens at that node, recomputed without any KV cache or tree mask.
 """
 from __future__ import annotations
@@ -216,12 +216,12 @@ def test_chain_choices_and_orphans():
         choices_to_levels([(0,), (1, 0)])
 
 
-# -- attention masks (batched: slot = position in every row of the cache) -------------------------
+# -- attention masks (batched: a cache cell has one index in every row) ----------------------------
 
 def brute_tree_mask(past: int, parents: list[int], view: int, window):
-    """[n, view] bool from first principles: node i (at slot past + i, position past + depth(i))
-    sees the context slots < past and its own ancestors in the tree (itself included), and with a
-    sliding window only keys less than `window` positions behind it; slots past the tree are junk."""
+    """[n, view] bool from first principles: node i (at cell past + i, position past + depth(i))
+    sees the context cells < past and its own ancestors in the tree (itself included), and with a
+    sliding window only keys less than `window` positions behind it; cells past the tree are junk."""
     n = len(parents)
     depth = [len(chain_of(parents, i)) - 1 for i in range(n)]
     out = torch.zeros(n, view, dtype=torch.bool)
@@ -243,7 +243,7 @@ def brute_tree_mask(past: int, parents: list[int], view: int, window):
 
 @pytest.mark.parametrize("seed", range(25))
 def test_context_and_tree_mask_brute_force(seed):
-    """The verify mask as engine.Cycle._forward builds it, for a batch of trees of one size
+    """The verify mask as cycle.Cycle.forward_tree builds it, for a batch of trees of one size
     whose rows have different context lengths, against brute force per row."""
     from eagle2_core.tree import additive, batch_trees, context_and_tree, windowed
 
@@ -254,10 +254,10 @@ def test_context_and_tree_mask_brute_force(seed):
     parents = torch.stack([random_parents(n, rng) for _ in range(b)])
     depth, anc = batch_trees(parents, n)
     past = torch.tensor(pasts)
-    view = max(pasts) + n + rng.randint(0, 3)  # slots past a row's tree are junk it must not see
+    view = max(pasts) + n + rng.randint(0, 3)  # cells past a row's tree are junk it must not see
     q_pos = past[:, None] + depth
-    slots = past[:, None] + torch.arange(n)
-    k_pos = torch.arange(view).expand(b, view).scatter(1, slots, q_pos)
+    cells = past[:, None] + torch.arange(n)
+    k_pos = torch.arange(view).expand(b, view).scatter(1, cells, q_pos)
     allowed = windowed(context_and_tree(past, anc, view), q_pos, k_pos, window)
     assert allowed.shape == (b, n, view)
     for r in range(b):
@@ -362,15 +362,15 @@ def brute_logp(head, ctx_tokens, ctx_feats, path_tokens):
 @pytest.mark.parametrize("fixed", [False, True], ids=["live", "fixed"])
 @pytest.mark.parametrize("shape", ["dynamic", "static", "chain"])
 def test_draft_children_are_head_top_ranks(random_head, shape, fixed, monkeypatch):
-    """engine.Cycle.draft_fn on two rows with different contexts, over three cycles: children of
+    """cycle.Cycle.draft_fn on two rows with different contexts, over three cycles: children of
     every node are the head's top-ranked tokens there (dynamic: a prefix of the ranking;
     static/chain: the ranks the shape names), recomputed without any KV cache or tree mask; for
     dynamic trees every candidate's path score handed to rerank equals the brute-force sum of
     log-probs along its path; the head's context grows by the absorbed pairs only (tree rows and
     the absorb's padding rows are not context), and an idle row's context stays where it is.
     Live mode attends over the longest row; fixed mode over the whole capacity bucket, whose
-    stale slots must stay hidden."""
-    import eagle2_core.engine as engine
+    stale cells must stay hidden."""
+    import eagle2_core.cycle as cycle_mod
     from eagle2_core.target import TargetRunner
     from eagle2_core.tree import row_tree
     from eagle2_core.treesettings import TreeSettings
@@ -381,10 +381,10 @@ def test_draft_children_are_head_top_ranks(random_head, shape, fixed, monkeypatc
         pools.append((pool_tokens.tolist(), pool_parents.tolist(), pool_scores.tolist()))
         return rerank_batch(pool_tokens, pool_parents, pool_scores, *args, **kw)
 
-    monkeypatch.setattr(engine, "rerank_batch", spy_rerank)
+    monkeypatch.setattr(cycle_mod, "rerank_batch", spy_rerank)
     model, head = random_head
     settings = TreeSettings(shape=shape, total_tokens=10 if shape != "chain" else 4, depth=3, top_k=3)
-    cycle = engine.Cycle(TargetRunner(model), head, settings, batch=2, capacity=8, fixed=fixed)
+    cycle = cycle_mod.Cycle(TargetRunner(model), head, settings, batch=2, capacity=8, fixed=fixed)
     w = cycle.width
     assert w == settings.depth + 1
     g = torch.Generator().manual_seed(0)
