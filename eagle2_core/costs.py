@@ -128,6 +128,7 @@ def profile_key(model, head) -> dict:
             "device": str(w.device), "device_name": _device_name(w.device), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "body": _body_label(TargetRunner(model)),
+            "blocks": sorted({rowgemm.blocks_of(p).type_name for p in model.parameters() if rowgemm.blocks_of(p) is not None}),
             "head": None if head is None else f"{getattr(head, 'kind', 'eagle2')}:{head.spec.hidden_size}:{head_draft_rows(head)}"}
 
 
@@ -192,7 +193,7 @@ def product_weights(model, head) -> list[torch.Tensor]:
 def product_plan(products: dict) -> rowgemm.ProductPlan:
     """The plan from measured kernels: per shape, the one packing hint that does best over all
     row counts (by the sum of its ratios to the fastest), then per row count the fastest of
-    linear, transposed, stream and that packing, linear keeping ties (ROW_WIN). Row buckets not timed
+    linear, transposed, stream, block (GGUF weights) and that packing, linear keeping ties (ROW_WIN). Row buckets not timed
     follow the next timed count up."""
     kernels, hints = {}, {}
     for key, by_rows in products.items():
@@ -203,7 +204,7 @@ def product_plan(products: dict) -> rowgemm.ProductPlan:
         chosen = {}
         for r in rows:
             t = by_rows[r]
-            cands = {k: t[k] for k in ("transposed", "stream") if k in t} | ({"packed": t[hint]} if hint else {})
+            cands = {k: t[k] for k in ("transposed", "stream", "block") if k in t} | ({"packed": t[hint]} if hint else {})
             name = min(cands, key=cands.get)
             chosen[r] = name if cands[name] < ROW_WIN * t["linear"] else "linear"
         kernels[key] = {b: chosen[next((r for r in rows if r >= b), rows[-1])] for b in rowgemm.ROW_BUCKETS}

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native, rowgemm
+from .ggufblocks import BlockWeight
 from .rowgemm import linear_rows
 
 LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer", "Qwen3DecoderLayer"}
@@ -107,9 +108,16 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
             off += t.shape[0]
         return fused
 
+    blocks = [rowgemm.blocks_of(m.weight) for m in linears]  # a GGUF target's blocks (issue 41)
     with torch.no_grad():
         weight = stacked([m.weight for m in linears])
         bias = stacked([m.bias for m in linears]) if linears[0].bias is not None else None
+    if all(b is not None for b in blocks):
+        for m, b in zip(linears, blocks):  # the parts are views now: their blocks still hold their values
+            rowgemm.attach_blocks(m.weight, b)
+        if len({b.qtype for b in blocks}) == 1:  # rows of blocks stack as rows of floats do
+            rowgemm.attach_blocks(weight, BlockWeight(torch.cat([b.blocks for b in blocks]), blocks[0].qtype, blocks[0].type_name,
+                                                      blocks[0].in_features))
     return weight, bias
 
 

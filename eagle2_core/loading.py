@@ -64,6 +64,7 @@ class LoadedTarget:
     tokenizer: object
     name: str          # what the user asked for ("smollm2", a hub id, a path)
     source: str        # the resolved folder or file
+    block_bytes: int = 0  # GGUF blocks attached for the block kernel (0: none)
 
 
 _UNUSABLE_CACHES: set[str] = set()  # said once per process each
@@ -272,7 +273,32 @@ def load_target(name: str | None = None, dtype: str = "auto", device: str = "aut
         model.to(dev)
     model.eval()
     model.requires_grad_(False)
-    return LoadedTarget(model=model, tokenizer=tok, name=name or DEFAULT_MODEL, source=source)
+    blocks = attach_gguf_blocks(model, os.path.join(where, gguf)) if gguf and dev == "cpu" and torch_dtype == torch.float32 else 0
+    return LoadedTarget(model=model, tokenizer=tok, name=name or DEFAULT_MODEL, source=source, block_bytes=blocks)
+
+
+def attach_gguf_blocks(model, path: str) -> int:
+    """A GGUF target on a CPU in float32: each linear weight's blocks from the file beside it
+    (rowgemm.attach_blocks), so the measured plan can read them with the block kernel, whose
+    products are bitwise those over the float32 weights (issue 41). Returns their bytes.
+    EAGLE2_BLOCKS=0 keeps the float32 path alone (to measure one against the other)."""
+    if os.environ.get("EAGLE2_BLOCKS", "1") == "0":
+        return 0
+    from . import native, rowgemm
+    from .ggufblocks import read_blocks
+
+    if native.module() is None:
+        return 0
+    cfg = model.config
+    blocks, _ = read_blocks(path, cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    total = 0
+    for name, bw in blocks.items():
+        w = params.get(name)
+        if w is not None and tuple(w.shape) == (bw.out_features, bw.in_features) and w.dtype == torch.float32:
+            rowgemm.attach_blocks(w, bw)
+            total += bw.nbytes
+    return total
 
 
 def packaged_head_path(key: str) -> str | None:

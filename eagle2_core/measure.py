@@ -109,11 +109,14 @@ def measure_products(weights: list[torch.Tensor], rows=PRODUCT_ROWS, reps: int =
     our native build exists and the shape fits it, and `packed@H` for each packing hint H where
     oneDNN's packed linear exists. Empty on GPUs."""
     groups: dict[str, list[torch.Tensor]] = {}
+    blocks: dict[str, list] = {}  # the same weights' GGUF blocks, where they have them (a detached tensor has none)
     for w in weights:
         if rowgemm.eligible(w):
-            group = groups.setdefault(rowgemm.shape_key(w), [])
+            key = rowgemm.shape_key(w)
+            group = groups.setdefault(key, [])
             if sum(x.numel() * x.element_size() for x in group) < SAMPLE_BYTES:
                 group.append(w.detach())
+                blocks.setdefault(key, []).append(rowgemm.blocks_of(w))
     g = torch.Generator().manual_seed(0)
     out = {}
     with torch.no_grad():
@@ -127,6 +130,11 @@ def measure_products(weights: list[torch.Tensor], rows=PRODUCT_ROWS, reps: int =
                 stream = rowgemm.native.module().stream_linear
                 for n in rows:
                     fns[(n, "stream")] = lambda n=n, ws=ws: [stream(x[:n], w) for w in ws]
+            bws = blocks[key]
+            if all(b is not None for b in bws) and rowgemm.have_stream() and ws[0].dtype == torch.float32:
+                block = rowgemm.native.module().block_linear
+                for n in rows:
+                    fns[(n, "block")] = lambda n=n, bws=bws: [block(x[:n], b.blocks, b.qtype) for b in bws]
             if rowgemm.HAVE_PACKED:
                 for h in PACK_HINTS:
                     ps = [rowgemm.pack(w, h) for w in ws]

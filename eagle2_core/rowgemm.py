@@ -41,7 +41,7 @@ from torch import nn
 
 from . import native
 
-KERNELS = ("linear", "transposed", "packed", "stream")
+KERNELS = ("linear", "transposed", "packed", "stream", "block")
 ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # a product of r rows follows the first bucket >= r
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -75,18 +75,20 @@ def stream_fits(weight: torch.Tensor) -> bool:
 
 
 def _offered(kernel: str) -> bool:
-    return kernel in KERNELS and (kernel != "packed" or HAVE_PACKED) and (kernel != "stream" or have_stream())
+    return kernel in KERNELS and (kernel != "packed" or HAVE_PACKED) and (kernel not in ("stream", "block") or have_stream())
 
 
 def shape_key(weight: torch.Tensor) -> str:
-    """The plan's key of a weight: "out x in dtype", e.g. "576x1536 float32"."""
-    return _key(weight.shape[0], weight.shape[1], weight.dtype)
+    """The plan's key of a weight: "out x in dtype", e.g. "576x1536 float32", and its GGUF block
+    type where blocks of it are at hand ("576x1536 float32 Q4_1": each type measures apart)."""
+    bw = blocks_of(weight)
+    return _key(weight.shape[0], weight.shape[1], weight.dtype, bw.type_name if bw is not None else "")
 
 
 @functools.lru_cache(maxsize=None)
-def _key(out_features: int, in_features: int, dtype: torch.dtype) -> str:
+def _key(out_features: int, in_features: int, dtype: torch.dtype, blocks: str = "") -> str:
     # cached: every product of every forward asks, and a handful of shapes exist
-    return f"{out_features}x{in_features} {str(dtype).replace('torch.', '')}"
+    return f"{out_features}x{in_features} {str(dtype).replace('torch.', '')}" + (f" {blocks}" if blocks else "")
 
 
 def bucket(rows: int) -> int:
@@ -146,8 +148,8 @@ def forced(kernel: str) -> ProductPlan:
         raise ValueError(f"EAGLE2_KERNEL: unknown kernel {kernel!r}; choose from {', '.join(KERNELS)} or measured")
     if kernel == "packed" and not HAVE_PACKED:
         raise ValueError("EAGLE2_KERNEL=packed: this torch build has no oneDNN packed linear")
-    if kernel == "stream" and not have_stream():
-        raise ValueError(f"EAGLE2_KERNEL=stream: eagle2's native code is {native.status()}")
+    if kernel in ("stream", "block") and not have_stream():
+        raise ValueError(f"EAGLE2_KERNEL={kernel}: eagle2's native code is {native.status()}")
     return ProductPlan(everywhere=kernel)
 
 
@@ -162,6 +164,25 @@ EPOCH = 0  # bumped whenever packings are made or dropped: choices cached from t
 # only, never on the fly, so a temporary weight (a dtype cast) cannot make a packing per call.
 # The weak reference tells a reused id from the weight it was made for.
 _PACKED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+# id(weight) -> (weak reference to it, its _version, ggufblocks.BlockWeight): GGUF blocks that
+# hold exactly this float32 weight (loading attaches them for GGUF targets; the block kernel
+# rebuilds the weight's bits from them, issue 41). Kept beside the weight, as packings are.
+_BLOCKS: dict[int, tuple[weakref.ref, int, object]] = {}
+
+
+def attach_blocks(weight: torch.Tensor, blocks) -> None:
+    """Record that `blocks` (ggufblocks.BlockWeight) dequantize to `weight`'s exact values."""
+    _BLOCKS[id(weight)] = (weakref.ref(weight), weight._version, blocks)
+
+
+def blocks_of(weight: torch.Tensor):
+    """The GGUF blocks of this very weight, or None (another tensor, or changed since)."""
+    got = _BLOCKS.get(id(weight))
+    if got is None or got[0]() is not weight or got[1] != weight._version:
+        return None
+    return got[2]
 
 
 def install_plan(plan: ProductPlan) -> None:
@@ -242,18 +263,24 @@ def _kernel(rows: int, dtype: torch.dtype, input_grad: bool, weight: torch.Tenso
     if torch.is_grad_enabled() and (weight.requires_grad or input_grad):
         return "linear"  # training keeps linear's backward
     k = PLAN.kernel(rows, weight)
-    if (k == "packed" and _packed_of(weight) is None) or (k == "stream" and not (stream_fits(weight) and have_stream())):
+    if k == "block" and (dtype != torch.float32 or blocks_of(weight) is None):
+        k = "stream"  # forced everywhere: the weights without blocks stream their floats
+    if (k == "packed" and _packed_of(weight) is None) or (k in ("stream", "block") and not (stream_fits(weight) and have_stream())):
         return "linear"
     return k
 
 
 KERNEL_CODES = {"packed": 0, "linear": 1, "transposed": 2, "stream": 3}  # leanbody's native loop takes the kernel as a code
+BLOCK_CODE = 16  # + the GGML type: the block kernel over the weight's GGUF blocks (csrc/layers.cpp)
 
 
 def product_choice(rows: int, weight: torch.Tensor) -> tuple[int, torch.Tensor]:
     """(kernel code, the tensor it reads) for a product of `rows` rows with `weight`: the plan's
     kernel as `kernel_for` picks it, with the packing for `packed` (leanbody's native loop)."""
     k = _kernel(rows, weight.dtype, False, weight)
+    if k == "block":
+        bw = blocks_of(weight)
+        return BLOCK_CODE + bw.qtype, bw.blocks
     return (0, _packed_of(weight)) if k == "packed" else (KERNEL_CODES[k], weight)
 
 
@@ -273,6 +300,9 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return F.linear(x, weight, bias)
     if k == "stream":
         return native.module().stream_linear(x, weight, bias)
+    if k == "block":
+        bw = blocks_of(weight)
+        return native.module().block_linear(x, bw.blocks, bw.qtype, bias)
     x2 = x.reshape(-1, x.shape[-1])
     if k == "packed":
         out = packed_product(x2, _packed_of(weight), bias)

@@ -101,3 +101,68 @@ def test_the_embedded_gguf_read_as_blocks_rebuilds_transformers_weights_bitwise(
         bw, w = blocks[name], params[name].detach().float().contiguous()
         x = torch.randn(5, bw.in_features)
         assert torch.equal(mod.block_linear(x, bw.blocks, bw.qtype, None), mod.stream_linear(x, w, None)), name
+
+
+def quantized_tiny_llama(name: str = "Q8_0", hidden: int = 64, vocab: int = 48):
+    """A tiny Llama whose every linear weight (lm_head too) holds the dequantization of its own
+    GGUF blocks, with the blocks attached as loading attaches a GGUF target's."""
+    from conftest import make_tiny_lm
+
+    from eagle2_core import rowgemm
+    from eagle2_core.ggufblocks import BlockWeight
+
+    model = make_tiny_lm("llama", vocab_size=vocab, hidden_size=hidden, max_position_embeddings=64)
+    qtype = getattr(T, name)
+    for mod in [m for m in model.modules() if isinstance(m, torch.nn.Linear)]:
+        w = mod.weight.detach().float().numpy()
+        blocks = gguf.quants.quantize(w, qtype).reshape(w.shape[0], -1)
+        with torch.no_grad():
+            mod.weight.copy_(dequantized(name, blocks, w.shape[1]))
+        rowgemm.attach_blocks(mod.weight, BlockWeight(torch.from_numpy(blocks.copy()), int(qtype), name, w.shape[1]))
+    return model
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1"])
+def test_block_weights_through_the_one_engine(name, monkeypatch):
+    """The block kernel forced for every product that has blocks (EAGLE2_KERNEL=block; the head's
+    weights stream their floats): every forward is bitwise the one with the float32 stream kernel
+    forced, so greedy decoding is `generate`'s, and the kernel really ran."""
+    from eagle2_core import Eagle2Decoder, GenerationSettings, TreeSettings, rowgemm
+    from eagle2_core.head import DraftHead, HeadSpec
+
+    model = quantized_tiny_llama(name)
+    torch.manual_seed(3)
+    head = DraftHead(HeadSpec.for_target(model.config)).bind(model).eval()
+    prompts = [[1, 5, 9, 2], [7, 7, 3, 11, 4, 30, 12], [40]]
+    refs = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        refs.append(model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False, pad_token_id=0)[0, len(ids):].tolist())
+    outs, ran = {}, []
+    real = rowgemm.kernel_for
+    monkeypatch.setattr(rowgemm, "kernel_for", lambda x, w: ran.append(real(x, w)) or ran[-1])
+    before = rowgemm.PLAN
+    try:
+        for kernel in ("block", "stream"):
+            monkeypatch.setenv("EAGLE2_KERNEL", kernel)
+            rowgemm.install_plan(rowgemm.ProductPlan())
+            dec = Eagle2Decoder(model, head, tree=TreeSettings(total_tokens=6, depth=3, top_k=2))
+            outs[kernel] = [dec.generate(ids, GenerationSettings(max_new_tokens=12))[0] for ids in prompts]
+            if kernel == "block":
+                assert "block" in ran
+    finally:
+        rowgemm.PLAN = before
+    assert outs["block"] == outs["stream"] == refs
+    # one forward of the body, bitwise, block against stream (the native loop's products included)
+    from eagle2_core.target import TargetRunner
+
+    run = TargetRunner(model)
+    ws = run.lean.weights()
+    assert all(rowgemm.blocks_of(w) is not None for w in ws)  # the fused q/k/v and gate/up carry blocks too
+    for w in ws:
+        x = torch.randn(3, w.shape[1])
+        with rowgemm.using_plan(rowgemm.forced("block")):
+            a = rowgemm.linear_rows(x, w)
+        with rowgemm.using_plan(rowgemm.forced("stream")):
+            b = rowgemm.linear_rows(x, w)
+        assert torch.equal(a, b)
