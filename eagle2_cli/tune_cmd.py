@@ -40,6 +40,10 @@ def tune(batch, json_path, common):
         out.print(f"stream floor: reading the {prof.weight_bytes / 1e6:.0f} MB of target weights once takes {prof.stream_floor_ms:.1f} ms "
                   f"({gbs:.1f} GB/s); verify of 1 / 4 / 16 rows at "
                   + " / ".join(f"{prof.verify_table(n)[-1] / prof.stream_floor_ms:.2f}x" for n in (1, 4, 16)) + " of it", highlight=False)
+    if rt.target.block_bytes:
+        out.print(f"GGUF blocks: {rt.target.block_bytes / 1e6:.0f} MB of the file's own blocks beside the float32 weights; the plan "
+                  "reads them where the block kernel is fastest (bitwise the float32 product; EAGLE2_BLOCKS=0: float32 only)",
+                  highlight=False)
     if prof.key.get("body"):
         from eagle2_core import leanbody
 

@@ -166,7 +166,7 @@ class Runtime:
                 "device": str(self.model.get_output_embeddings().weight.device),
                 "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
                 "generation": dataclasses.asdict(self.gen), "generation_config": self.generation_settings(),
-                "tree": dataclasses.asdict(self.tree)}
+                "tree": dataclasses.asdict(self.tree), "gguf_block_bytes": self.target.block_bytes}
 
     def generation_settings(self) -> dict:
         """The generation_config fields that shape the target's scores, and its processors in

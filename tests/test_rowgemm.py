@@ -41,7 +41,8 @@ def test_every_kernel_matches_linear(kernel, dtype, rows):
     plan = rowgemm.forced(kernel)
     rowgemm.prepare([w], plan)
     with rowgemm.using_plan(plan):
-        assert kernel_for(x, w) == kernel
+        # `block` needs a weight's GGUF blocks (tests/test_blocks.py); a weight without them streams its floats
+        assert kernel_for(x, w) == ("stream" if kernel == "block" else kernel)
         for bias in (None, b):
             got, want = linear_rows(x, w, bias), F.linear(x, w, bias)
             assert got.shape == want.shape and got.is_contiguous() and got.dtype == want.dtype
