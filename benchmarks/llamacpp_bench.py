@@ -78,6 +78,8 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="shipped,f32,f16", help="llama.cpp rows: shipped (the GGUF as it is), f32, f16")
     ap.add_argument("--work", default=None, help="folder for the requantized files (default: a temporary one)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the embedded SmolLM2's)")
+    ap.add_argument("--draft", default=None, help="eagle2's head (default: the model's known one; `random` where it has none)")
     args = ap.parse_args(argv)
 
     from eagle2_core.events import GenerationSettings
@@ -87,8 +89,8 @@ def main(argv=None) -> int:
     from eagle2_core.runtime import Runtime
     from eagle2_core.target import model_eos_ids
 
-    gguf = smollm2_gguf_path()
-    rt = Runtime.load(None, None, dtype="float32", device="cpu", sample_by_default=False)  # the embedded model: this GGUF
+    gguf = args.model or smollm2_gguf_path()
+    rt = Runtime.load(args.model, args.draft, dtype="float32", device="cpu", sample_by_default=False)  # eagle2 on this very GGUF
     items = [it for it in read_prompt_file(args.file) if not hasattr(it, "describe")][: args.prompts]
     prompts = [rt.encode(it.messages[:1]) for it in items]
     eos = model_eos_ids(rt.model, rt.tokenizer)
