@@ -162,10 +162,10 @@ def compare_rows(comp) -> tuple[list[tuple[str, str]], list[dict[str, str]]]:
     return cols, rows
 
 
-def compare_table(comp, title: str) -> Table:
+def compare_table(comp, title: str, cols_rows=None) -> Table:
     """Fits 80 columns with every figure whole: numbers never wrap or shorten (no_wrap), only the
     method's label and the near-tie note fold; acceptance by depth goes below the table."""
-    cols, rows = compare_rows(comp)
+    cols, rows = cols_rows or compare_rows(comp)
     t = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
     for key, head in cols:
         if key == "method":
@@ -184,8 +184,8 @@ def print_compare(console: Console, comp, title: str) -> None:
     narrower than the table's narrowest form, one line per method instead (wrapped, never cut)."""
     from rich.markup import escape
 
-    table = compare_table(comp, title)
     cols, rows = compare_rows(comp)
+    table = compare_table(comp, title, (cols, rows))
     # the narrowest table that keeps every figure whole: its natural width with the method's
     # label folded to 16 characters (Rich would squeeze the label to nothing rather than say so)
     label = max(len(r["method"]) for r in rows)

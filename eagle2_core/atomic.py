@@ -72,31 +72,9 @@ def clean_stale(path: str) -> int:
     return removed
 
 
-def write_bytes(path: str, data: bytes, sync: bool = False) -> None:
-    """`path` replaced by `data` in one rename; OSError leaves no temporary behind."""
-    tmp = temp_sibling(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if sync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def write_text(path: str, text: str, sync: bool = False) -> None:
-    write_bytes(path, text.encode("utf-8"), sync)
-
-
 def replace_with(path: str, write) -> None:
-    """`write(tmp_path)` fills a temporary file, which then replaces `path` (for writers that
-    take a path: safetensors, torch.save)."""
+    """`write(tmp_path)` fills a temporary file, which then replaces `path` in one rename (for
+    writers that take a path: safetensors, torch.save); on any failure no temporary is left."""
     tmp = temp_sibling(path)
     try:
         write(tmp)
@@ -107,6 +85,21 @@ def replace_with(path: str, write) -> None:
         except OSError:
             pass
         raise
+
+
+def write_bytes(path: str, data: bytes, sync: bool = False) -> None:
+    """`path` replaced by `data` in one rename (`sync`: on disk before the rename)."""
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+    replace_with(path, write)
+
+
+def write_text(path: str, text: str, sync: bool = False) -> None:
+    write_bytes(path, text.encode("utf-8"), sync)
 
 
 def publish_dir(tmp: str, final: str) -> bool:

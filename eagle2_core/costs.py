@@ -128,7 +128,7 @@ def profile_key(model, head) -> dict:
             "device": str(w.device), "device_name": _device_name(w.device), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "body": _body_label(TargetRunner(model)),
-            "blocks": sorted({rowgemm.blocks_of(p).type_name for p in model.parameters() if rowgemm.blocks_of(p) is not None}),
+            "blocks": sorted({b.type_name for b in map(rowgemm.blocks_of, model.parameters()) if b is not None}),
             "head": None if head is None else f"{getattr(head, 'kind', 'eagle2')}:{head.spec.hidden_size}:{head_draft_rows(head)}"}
 
 

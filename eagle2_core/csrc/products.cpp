@@ -96,36 +96,27 @@ inline float f16(const uint8_t* p) {  // exact: every fp16 is a float32
 // instructions: GCC builds the generic form a lane at a time through memory, which made the
 // block product 5x slower than the float32 one it is meant to beat; the generic loop stays as
 // the fallback, with the same values.
-inline i32x16 u8_lanes(const uint8_t* p) {
+template <bool SIGNED>
+inline i32x16 lanes(const uint8_t* p) {
   i32x16 v;
 #if defined(__AVX512F__)
-  const __m512i r = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m512i r = SIGNED ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
   std::memcpy(&v, &r, sizeof v);
 #elif defined(__AVX2__)
-  const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  const __m128i b0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i b1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8));
+  const __m256i lo = SIGNED ? _mm256_cvtepi8_epi32(b0) : _mm256_cvtepu8_epi32(b0);
+  const __m256i hi = SIGNED ? _mm256_cvtepi8_epi32(b1) : _mm256_cvtepu8_epi32(b1);
   std::memcpy(&v, &lo, 32);
   std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
 #else
-  for (int i = 0; i < 16; ++i) v[i] = p[i];
+  for (int i = 0; i < 16; ++i) v[i] = SIGNED ? static_cast<int>(static_cast<int8_t>(p[i])) : static_cast<int>(p[i]);
 #endif
   return v;
 }
-inline i32x16 i8_lanes(const uint8_t* p) {
-  i32x16 v;
-#if defined(__AVX512F__)
-  const __m512i r = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  std::memcpy(&v, &r, sizeof v);
-#elif defined(__AVX2__)
-  const __m256i lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-  std::memcpy(&v, &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
-#else
-  for (int i = 0; i < 16; ++i) v[i] = static_cast<int8_t>(p[i]);
-#endif
-  return v;
-}
+inline i32x16 u8_lanes(const uint8_t* p) { return lanes<false>(p); }
+inline i32x16 i8_lanes(const uint8_t* p) { return lanes<true>(p); }
 inline v16 to_f(i32x16 v) { return __builtin_convertvector(v, v16); }  // exact: every value is a small integer
 inline v16 splat(float f) { return (v16){f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f}; }
 // the 16 low or high nibbles of 16 bytes (the first or second half of a 32-value group)
