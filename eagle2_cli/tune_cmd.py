@@ -40,7 +40,11 @@ def tune(batch, json_path, common):
         out.print(f"stream floor: reading the {prof.weight_bytes / 1e6:.0f} MB of target weights once takes {prof.stream_floor_ms:.1f} ms "
                   f"({gbs:.1f} GB/s); verify of 1 / 4 / 16 rows at "
                   + " / ".join(f"{prof.verify_table(n)[-1] / prof.stream_floor_ms:.2f}x" for n in (1, 4, 16)) + " of it", highlight=False)
-    if rt.target.block_bytes:
+    if rt.target.block_bytes and rt.target.floatless_bytes:
+        out.print(f"weights: {rt.target.block_bytes / 1e6:.0f} MB of blocks in memory, in place of {rt.target.floatless_bytes / 1e6:.0f} MB "
+                  "of float32 (no float32 copy kept; the block kernel reads them, bitwise the float32 product over the "
+                  "rebuilt weights; EAGLE2_BLOCKS=0: float32 only, =keep: both)", highlight=False)
+    elif rt.target.block_bytes:
         out.print(f"GGUF blocks: {rt.target.block_bytes / 1e6:.0f} MB of the file's own blocks beside the float32 weights; the plan "
                   "reads them where the block kernel is fastest (bitwise the float32 product; EAGLE2_BLOCKS=0: float32 only)",
                   highlight=False)

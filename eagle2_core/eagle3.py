@@ -30,7 +30,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from .head import BaseHead, HeadMismatchError, HeadSpec, target_dims
-from .rowgemm import linear_rows, make_row_linears
+from .rowgemm import float_rows, linear_rows, make_row_linears
 from .target import text_config
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -173,7 +173,7 @@ class Eagle3Head(BaseHead):
         w = target_model.get_output_embeddings().weight
         if w.shape[1] == self.spec.hidden_size:
             with torch.no_grad():
-                self.lm_head.weight.copy_(w.detach().index_select(0, self.draft_ids().to(w.device)).to(self.lm_head.weight))
+                self.lm_head.weight.copy_(float_rows(w, self.draft_ids().to(w.device)).to(self.lm_head.weight))
 
     @property
     def draft_vocab(self) -> torch.Tensor:

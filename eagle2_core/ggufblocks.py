@@ -73,24 +73,92 @@ def read_blocks(path: str, num_heads: int, num_kv_heads: int) -> tuple[dict[str,
     mapped 2-D weights of other types (those stay dequantized: `tune` says which)."""
     import gguf
 
-    reader = gguf.GGUFReader(path)
-    arch_field = reader.fields.get("general.architecture")
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field is not None else ""
     out: dict[str, BlockWeight] = {}
     other: dict[str, str] = {}
-    for t in reader.tensors:
-        name = hf_name(t.name)
-        if name is None or len(t.shape) != 2:
-            continue
-        type_name = t.tensor_type.name
-        if type_name not in BLOCK_TYPES:
-            other[name] = type_name
-            continue
-        n_in, n_out = int(t.shape[0]), int(t.shape[1])  # GGUF lists the fastest dimension first
-        rows = np.asarray(t.data).reshape(n_out, -1)
-        if arch == "llama" and ".attn_q." in t.name:
-            rows = unpermute_rows(rows, num_heads)
-        elif arch == "llama" and ".attn_k." in t.name:
-            rows = unpermute_rows(rows, num_kv_heads)
-        out[name] = BlockWeight(torch.from_numpy(np.ascontiguousarray(rows).copy()), int(t.tensor_type), type_name, n_in)
+    # Our own reading of the header (tensor_infos) and of each tensor's bytes straight into its
+    # tensor: gguf-py's reader parses every metadata value into numpy objects (the tokenizer's
+    # 100k strings: ~140 MB at its peak on SmolLM2, part of it never given back to the system)
+    # and reads through a memory map whose touched pages count as resident.
+    with open(path, "rb") as f:
+        arch, tensors, data_start = tensor_infos(f)
+        for gname, dims, qtype, offset in tensors:
+            name = hf_name(gname)
+            if name is None or len(dims) != 2:
+                continue
+            try:
+                type_name = gguf.GGMLQuantizationType(qtype).name
+            except ValueError:
+                type_name = f"type {qtype}"
+            if type_name not in BLOCK_TYPES:
+                other[name] = type_name
+                continue
+            n_in, n_out = dims  # GGUF lists the fastest dimension first
+            block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+            blocks = torch.empty(n_out, n_in // block * nbytes, dtype=torch.uint8)
+            f.seek(data_start + offset)
+            if f.readinto(blocks.numpy()) != blocks.numel():
+                raise ValueError(f"{path}: tensor {gname} is cut short")
+            if arch == "llama" and ".attn_q." in gname:
+                blocks = torch.from_numpy(np.ascontiguousarray(unpermute_rows(blocks.numpy(), num_heads)))
+            elif arch == "llama" and ".attn_k." in gname:
+                blocks = torch.from_numpy(np.ascontiguousarray(unpermute_rows(blocks.numpy(), num_kv_heads)))
+            out[name] = BlockWeight(blocks, qtype, type_name, n_in)
     return out, other
+
+
+# GGUF's metadata value types: fixed sizes by type id (8 is a string, 9 an array)
+_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def tensor_infos(f) -> tuple[str, list[tuple[str, tuple[int, ...], int, int]], int]:
+    """(general.architecture, [(name, dims, GGML type, offset in the data)], where the data starts)
+    from a GGUF file's header (version 2 or 3), skipping every other metadata value unparsed."""
+    import struct
+
+    def u32():
+        return struct.unpack("<I", f.read(4))[0]
+
+    def u64():
+        return struct.unpack("<Q", f.read(8))[0]
+
+    def text():
+        return f.read(u64()).decode("utf-8", "replace")
+
+    def skip(vtype):
+        if vtype == 8:
+            f.seek(u64(), 1)
+        elif vtype == 9:
+            inner, count = u32(), u64()
+            if inner in _SIZES:
+                f.seek(_SIZES[inner] * count, 1)
+            else:
+                for _ in range(count):
+                    skip(inner)
+        elif vtype in _SIZES:
+            f.seek(_SIZES[vtype], 1)
+        else:
+            raise ValueError(f"unknown GGUF metadata type {vtype}")
+
+    if f.read(4) != b"GGUF":
+        raise ValueError("not a GGUF file")
+    version = u32()
+    if version < 2:
+        raise ValueError(f"GGUF version {version} is not read here")
+    n_tensors, n_kv = u64(), u64()
+    arch, alignment = "", 32
+    for _ in range(n_kv):
+        key, vtype = text(), u32()
+        if key == "general.architecture" and vtype == 8:
+            arch = text()
+        elif key == "general.alignment" and vtype in (4, 5):
+            alignment = u32()
+        else:
+            skip(vtype)
+    tensors = []
+    for _ in range(n_tensors):
+        name = text()
+        dims = tuple(u64() for _ in range(u32()))
+        qtype, offset = u32(), u64()
+        tensors.append((name, dims, qtype, offset))
+    data_start = -(-f.tell() // alignment) * alignment
+    return arch, tensors, data_start

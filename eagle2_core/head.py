@@ -27,7 +27,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
 from . import leanbody
-from .rowgemm import linear_rows, make_row_linears
+from .rowgemm import floatless_rows, linear_rows, make_row_linears
 from .target import text_config
 
 DRAFT_VOCAB_FILE = "eagle2_draft_vocab.safetensors"
@@ -212,10 +212,11 @@ class DraftHead(BaseHead):
         if lm_head.dtype in (torch.float16, torch.bfloat16, torch.float32):
             dtype = lm_head.dtype
         self.to(device=device, dtype=dtype)
-        w = lm_head.detach()
         if self.draft_vocab is not None:
             self.draft_vocab = self.draft_vocab.to(device)
-            w = w.index_select(0, self.draft_vocab).contiguous()
+        # the rows it scores, with their GGUF / 8-bit blocks where the target has them (a target
+        # holding blocks only gives blocks only: rowgemm.floatless_rows)
+        w = floatless_rows(lm_head, self.draft_vocab)
         self._shared = (embed, w)
         return self
 

@@ -66,7 +66,7 @@ def why_not(body, config) -> str | None:
     params = list(body.parameters())
     if not params or any(p.device.type != "cpu" or p.dtype not in DTYPES for p in params):
         return "not a float32/bfloat16 model on the CPU"
-    if type(body.embed_tokens) is not torch.nn.Embedding or type(body.norm).__name__ not in NORMS:
+    if type(body.embed_tokens) not in (torch.nn.Embedding, rowgemm.FloatlessEmbedding) or type(body.norm).__name__ not in NORMS:
         return "embedding or final norm of another kind"
     for mod in body.modules():
         if hasattr(mod, "_hf_hook") or mod._forward_hooks or mod._forward_pre_hooks:
@@ -76,7 +76,7 @@ def why_not(body, config) -> str | None:
             return f"layer type {type(layer).__name__}"
         a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         lin = [getattr(a, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if any(type(x) is not torch.nn.Linear for x in lin):
+        if any(type(x) not in (torch.nn.Linear, rowgemm.FloatlessLinear) for x in lin):
             return "a projection that is not a plain nn.Linear (quantized?)"
         if len({x.bias is None for x in lin[:3]}) != 1 or lin[3].bias is not None or any(x.bias is not None for x in lin[4:]):
             return "biases other than on q/k/v together"
@@ -109,15 +109,37 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
         return fused
 
     blocks = [rowgemm.blocks_of(m.weight) for m in linears]  # a GGUF target's blocks (issue 41)
+    same_type = all(b is not None for b in blocks) and len({b.qtype for b in blocks}) == 1
+    if same_type:  # one block weight for the fused product, the parts' blocks views into it (no second copy)
+        fused_blocks = torch.cat([b.blocks for b in blocks])
+        off, parts = 0, []
+        for b in blocks:
+            parts.append(BlockWeight(fused_blocks[off: off + b.out_features], b.qtype, b.type_name, b.in_features))
+            off += b.out_features
+        fused_bw = BlockWeight(fused_blocks, blocks[0].qtype, blocks[0].type_name, blocks[0].in_features)
+        blocks = parts
+    if same_type and all(rowgemm.floatless(m.weight) for m in linears):  # blocks only: the fused weight too
+        with torch.no_grad():
+            weight = rowgemm.stand_in(sum(m.weight.shape[0] for m in linears), linears[0].weight.shape[1])
+            off = 0
+            for m, b in zip(linears, blocks):
+                m.weight.data = weight[off: off + m.weight.shape[0]]
+                off += m.weight.shape[0]
+                rowgemm.make_floatless(m.weight, b)
+            bias = stacked([m.bias for m in linears]) if linears[0].bias is not None else None
+        rowgemm.make_floatless(weight, fused_bw)
+        return weight, bias
     with torch.no_grad():
+        for m in linears:  # blocks of several types (or some without): the fused product reads floats
+            if rowgemm.floatless(m.weight):
+                m.weight.data = rowgemm.rebuilt(m.weight).clone()
         weight = stacked([m.weight for m in linears])
         bias = stacked([m.bias for m in linears]) if linears[0].bias is not None else None
     if all(b is not None for b in blocks):
         for m, b in zip(linears, blocks):  # the parts are views now: their blocks still hold their values
             rowgemm.attach_blocks(m.weight, b)
-        if len({b.qtype for b in blocks}) == 1:  # rows of blocks stack as rows of floats do
-            rowgemm.attach_blocks(weight, BlockWeight(torch.cat([b.blocks for b in blocks]), blocks[0].qtype, blocks[0].type_name,
-                                                      blocks[0].in_features))
+        if same_type:  # rows of blocks stack as rows of floats do
+            rowgemm.attach_blocks(weight, fused_bw)
     return weight, bias
 
 
@@ -255,6 +277,7 @@ class LeanBody:
             qkv, qkv_bias = _fuse([a.q_proj, a.k_proj, a.v_proj])
             gate_up, _ = _fuse([m.gate_proj, m.up_proj])
             self.layers.append((layer, qkv, qkv_bias, gate_up))
+        rowgemm.trim_heap()  # the parts' blocks, now views into the fused ones, were copies until here
         # the native loop is written for SiLU gates and no per-head q/k norms (Qwen3 takes the Python loop)
         self.native_ok = all(getattr(layer.self_attn, "q_norm", None) is None and type(layer.mlp.act_fn).__name__ in SILU
                              for layer in body.layers)

@@ -64,7 +64,9 @@ class LoadedTarget:
     tokenizer: object
     name: str          # what the user asked for ("smollm2", a hub id, a path)
     source: str        # the resolved folder or file
-    block_bytes: int = 0  # GGUF blocks attached for the block kernel (0: none)
+    block_bytes: int = 0  # GGUF (or eagle2's 8/4-bit) blocks attached for the block kernel (0: none)
+    floatless_bytes: int = 0  # float32 bytes the weights held only as blocks would take (0: floats resident)
+    notes: list | None = None  # lines for the user about how the weights were loaded (8/4-bit on a CPU)
 
 
 _UNUSABLE_CACHES: set[str] = set()  # said once per process each
@@ -242,14 +244,26 @@ def load_target(name: str | None = None, dtype: str = "auto", device: str = "aut
     where, gguf = resolve_model(name)
     dev = pick_device(device)
     torch_dtype = pick_dtype(dtype, dev)
+    # --load-in-8bit/4bit on a CPU: eagle2's own weight-only quantization over the block kernel
+    # (quantization.py), not bitsandbytes' (whose CPU 8-bit ran 3.4x slower than float32 here)
+    cpu_bits = (8 if load_in_8bit else 4 if load_in_4bit else 0) if dev == "cpu" and not device_map else 0
+    if cpu_bits:
+        from . import native
+
+        if torch_dtype != torch.float32:
+            raise LoadError(f"--load-in-{cpu_bits}bit on a CPU is eagle2's weight-only {cpu_bits}-bit with float32 activations; "
+                            "drop --dtype or use --dtype float32")
+        if native.module() is None:
+            raise LoadError(f"--load-in-{cpu_bits}bit on a CPU needs eagle2's native kernels, which are {native.status()}")
     try:
         if gguf:
-            if load_in_8bit or load_in_4bit or device_map:
-                raise LoadError("GGUF targets load dequantized on one device; drop --load-in-8bit/4bit and --device-map")
+            if ((load_in_8bit or load_in_4bit) and not cpu_bits) or device_map:
+                raise LoadError("GGUF targets load dequantized on one device; drop --load-in-8bit/4bit and --device-map"
+                                + ("" if device_map else " (or run on the CPU, where eagle2 quantizes weights itself)"))
             model, tok, source = _load_gguf(where, gguf, torch_dtype)
         else:
             kw: dict = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code, "attn_implementation": attn_implementation}
-            if load_in_8bit or load_in_4bit:
+            if (load_in_8bit or load_in_4bit) and not cpu_bits:
                 from transformers import BitsAndBytesConfig
 
                 # LLM.int8's outlier decomposition (threshold 6.0) is batch-dependent: a column
@@ -269,12 +283,105 @@ def load_target(name: str | None = None, dtype: str = "auto", device: str = "aut
         raise
     except (OSError, ValueError) as e:
         raise LoadError(f"could not load model {model_label(name)}: {str(e).splitlines()[0]}") from e
-    if not (load_in_8bit or load_in_4bit or device_map):
+    if cpu_bits or not (load_in_8bit or load_in_4bit or device_map):
         model.to(dev)
     model.eval()
     model.requires_grad_(False)
     blocks = attach_gguf_blocks(model, os.path.join(where, gguf)) if gguf and dev == "cpu" and torch_dtype == torch.float32 else 0
-    return LoadedTarget(model=model, tokenizer=tok, name=name or DEFAULT_MODEL, source=source, block_bytes=blocks)
+    notes = []
+    if cpu_bits:
+        quantized, kept = quantize_weights(model, cpu_bits, source if os.path.isdir(source) else None)
+        blocks += quantized
+        what = ("int8 weights, one float32 scale per output row" if cpu_bits == 8 else "4-bit weights in blocks of 32 with an fp16 scale (GGML's Q4_0)")
+        if quantized:
+            notes.append(f"--load-in-{cpu_bits}bit on a CPU: eagle2's weight-only {cpu_bits}-bit ({what}; float32 activations), "
+                         f"{blocks / 1e6:.0f} MB of weights" + (f", the GGUF's own blocks kept as they are ({kept / 1e6:.0f} MB)" if kept else "")
+                         + ("; its numbers differ from bitsandbytes' LLM.int8 (int8 activations), which GPUs keep" if cpu_bits == 8 else "")
+                         + "; exact against eagle2's plain decoding of this quantized model and `generate` over its rebuilt weights")
+        else:
+            notes.append(f"--load-in-{cpu_bits}bit on a CPU: this GGUF's weights already run from their own blocks "
+                         f"({kept / 1e6:.0f} MB, {', '.join(sorted(block_types(model)))}); nothing left to quantize")
+    dropped = drop_floats(model) if blocks and (cpu_bits or os.environ.get("EAGLE2_BLOCKS", "1") != "keep") else 0
+    return LoadedTarget(model=model, tokenizer=tok, name=name or DEFAULT_MODEL, source=source, block_bytes=blocks,
+                        floatless_bytes=dropped, notes=notes)
+
+
+def block_types(model) -> set[str]:
+    from . import rowgemm
+
+    return {b.type_name for b in map(rowgemm.blocks_of, model.parameters()) if b is not None}
+
+
+def quantize_weights(model, bits: int, folder: str | None = None) -> tuple[int, int]:
+    """eagle2's weight-only `bits`-bit on a CPU (quantization.py): every linear weight (lm_head too)
+    and the input embedding without blocks yet quantized, weight by weight, its blocks attached and
+    its float32 values dropped at once (no second float32 model, ever; each weight read from the
+    checkpoint in `folder` where it is there, so the model's mapping of the file is never read
+    whole). Returns (bytes of the new blocks, bytes of GGUF blocks kept as they were)."""
+    from . import rowgemm
+    from .quantization import quantizable, quantize, read_float, safetensors_index
+
+    files = safetensors_index(folder) if folder and os.path.isdir(folder) else {}
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    made = kept = 0
+    seen = set()
+    for mod in model.modules():
+        if type(mod) not in (torch.nn.Linear, torch.nn.Embedding) or getattr(mod, "max_norm", None) is not None:
+            continue
+        w = mod.weight
+        if id(w) in seen or w.dtype != torch.float32 or not quantizable(w, bits):
+            continue
+        seen.add(id(w))
+        bw = rowgemm.blocks_of(w)
+        if bw is not None:
+            kept += bw.nbytes
+            continue
+        entry = next((files[n] for n in names.get(id(w), []) if n in files and list(files[n][2]) == list(w.shape)), None)
+        src = read_float(entry) if entry is not None else None
+        bw = quantize(w if src is None else src, bits)
+        del src
+        with torch.no_grad():
+            rowgemm.make_floatless(w, bw)
+        made += bw.nbytes
+    return made, kept
+
+
+def drop_floats(model) -> tuple[int, int]:
+    """A CPU float32 target whose linears (and embedding) have blocks keeps the blocks only: each
+    such weight's float32 values go (rowgemm.make_floatless), its module turning into the
+    Floatless kind that rebuilds the floats for forwards other than ours (`generate`), and the
+    floats the rest of the model holds are copied out of any file mapping they share with the
+    dropped ones (else the mapping, and every page of it read, would stay). EAGLE2_BLOCKS=keep
+    keeps the floats (the measured plan then picks per weight). Returns the float32 bytes the
+    weights now held as blocks only would take."""
+    from . import rowgemm
+
+    dropped = 0
+    done = set()
+    for mod in model.modules():
+        kind = {torch.nn.Linear: rowgemm.FloatlessLinear, torch.nn.Embedding: rowgemm.FloatlessEmbedding}.get(type(mod))
+        if kind is None or (kind is rowgemm.FloatlessEmbedding and mod.max_norm is not None):
+            continue
+        w = mod.weight
+        bw = rowgemm.blocks_of(w)
+        if bw is None and not rowgemm.floatless(w):
+            continue
+        if id(w) not in done:
+            done.add(id(w))
+            dropped += w.numel() * 4
+            if not rowgemm.floatless(w):
+                with torch.no_grad():
+                    rowgemm.make_floatless(w, bw)
+        mod.__class__ = kind
+    if done:
+        with torch.no_grad():
+            for p in list(model.parameters()) + list(model.buffers()):
+                if not rowgemm.floatless(p) and p.numel() and p.device.type == "cpu":
+                    p.data = p.data.clone()
+        rowgemm.trim_heap()
+    return dropped
 
 
 def attach_gguf_blocks(model, path: str) -> int:

@@ -185,6 +185,202 @@ def blocks_of(weight: torch.Tensor):
     return got[2]
 
 
+# -- weights held only as blocks (issue 41: no resident float32 copy) ---------------------------
+# A weight whose blocks are all that is kept: its tensor becomes a stand-in of the same shape and
+# dtype over one NaN (stride 0, no storage to speak of), so shapes, devices and dtypes read as
+# before while any product that missed the blocks comes out NaN rather than plausible. Every
+# product of ours takes the block kernel for it; a module outside our forwards (Hugging Face
+# `generate`, the divergence measurements) rebuilds the float32 weight in scratch and runs
+# `F.linear` over it: the very values transformers holds, so `generate` keeps its own bits.
+_FLOATLESS: dict[int, weakref.ref] = {}
+
+
+def stand_in(rows: int, cols: int) -> torch.Tensor:
+    """A float32 [rows, cols] tensor without the memory: one NaN, expanded."""
+    return torch.full((1, 1), float("nan")).expand(rows, cols)
+
+
+def make_floatless(weight: torch.Tensor, blocks) -> None:
+    """Drop `weight`'s float32 values (a Parameter keeps its identity: its data becomes a stand-in)
+    and keep `blocks`, which rebuild them, as its only copy."""
+    if not _is_stand_in(weight):
+        weight.data = stand_in(*weight.shape)
+    _FLOATLESS[id(weight)] = weakref.ref(weight)
+    attach_blocks(weight, blocks)
+
+
+def _is_stand_in(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.stride() == (0, 0) and weight.numel() > 1
+
+
+def floatless(weight: torch.Tensor) -> bool:
+    """Whether `weight` is held only as blocks (make_floatless)."""
+    got = _FLOATLESS.get(id(weight))
+    return got is not None and got() is weight and _is_stand_in(weight)
+
+
+REBUILD = {"seconds": 0.0}  # time spent rebuilding float32 weights for modules outside our forwards
+_SCRATCH: dict = {}  # "buf": the float32 scratch rebuilt weights live in, kept while `rebuild_scratch` is open
+
+
+@contextmanager
+def rebuild_scratch():
+    """Keep one scratch buffer for rebuilt weights inside the block (a `generate` call rebuilds every
+    weight every step), freed after it."""
+    depth = _SCRATCH.get("depth", 0)
+    _SCRATCH["depth"] = depth + 1
+    try:
+        yield
+    finally:
+        _SCRATCH["depth"] = depth
+        if depth == 0 and _SCRATCH.pop("buf", None) is not None:
+            trim_heap()
+
+
+def rebuilt(weight: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """The float32 values of a floatless weight (its rows [a, b) where given), rebuilt from its
+    blocks (bitwise gguf-py's dequantization for GGUF types; scale * q for eagle2's 8-bit)."""
+    import time
+
+    bw = blocks_of(weight)
+    t0 = time.perf_counter()
+    blocks = bw.blocks if rows is None else bw.blocks[rows[0]: rows[1]]
+    n = blocks.shape[0] * bw.in_features
+    out = None
+    if _SCRATCH.get("depth"):
+        buf = _SCRATCH.get("buf")
+        if buf is None or buf.numel() < n:
+            buf = _SCRATCH["buf"] = torch.empty(n)
+        out = buf[:n].view(blocks.shape[0], bw.in_features)
+    w = native.module().block_rows(blocks, bw.qtype, bw.in_features, None, out)
+    REBUILD["seconds"] += time.perf_counter() - t0
+    return w
+
+
+CHUNK_ROWS = 2048  # a rebuilt weight of more rows runs F.linear in chunks of these, where that keeps its bits
+_CHUNKS_KEEP_BITS: dict[tuple[int, int], bool] = {}
+
+
+def chunks_keep_bits(in_features: int, tail: int) -> bool:
+    """Whether `F.linear` over chunks of CHUNK_ROWS rows (and a last one of `tail`) gives, on this
+    machine, the very bits of one `F.linear` over the whole weight: each output is its own dot
+    product, so a BLAS may well, but nothing promises it (MKL here keeps them for chunks of 2048
+    or 4096 rows and not for chunks of 7281). Measured once per (row length, tail) on a random weight of
+    two chunks and the tail, at 1, 3 and 8 input rows."""
+    got = _CHUNKS_KEEP_BITS.get((in_features, tail))
+    if got is None:
+        g = torch.Generator().manual_seed(0)
+        n = 2 * CHUNK_ROWS + tail
+        w = torch.randn(n, in_features, generator=g)
+        got = True
+        for m in (1, 3, 8):
+            x = torch.randn(1, m, in_features, generator=g)
+            whole = F.linear(x, w)
+            got = got and torch.equal(whole, torch.cat([F.linear(x, w[i: i + CHUNK_ROWS]) for i in range(0, n, CHUNK_ROWS)], -1))
+        _CHUNKS_KEEP_BITS[(in_features, tail)] = got
+        del w, x, whole
+        trim_heap()
+    return got
+
+
+def rebuilt_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` over a floatless weight's rebuilt floats: what transformers computes with the
+    float32 weight resident. A large weight (a vocabulary's lm_head) is rebuilt and multiplied a
+    chunk of rows at a time where that keeps the bits (chunks_keep_bits): its whole float32 copy
+    would be the largest thing in memory."""
+    out_f, in_f = weight.shape
+    step = CHUNK_ROWS
+    if out_f <= 2 * step or not chunks_keep_bits(in_f, out_f % step):
+        return F.linear(x, rebuilt(weight).to(x.dtype), bias)
+    return torch.cat([F.linear(x, rebuilt(weight, (a, min(out_f, a + step))).to(x.dtype), None if bias is None else bias[a: a + step])
+                      for a in range(0, out_f, step)], -1)
+
+
+def floatless_rows(weight: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    """A weight for a product over some of `weight`'s rows (all: None), keeping its blocks: a
+    floatless weight gives a floatless one (its rows of blocks), a weight with blocks its float rows
+    with those blocks attached, any other its rows (`index_select`)."""
+    bw = blocks_of(weight)
+    if bw is None:
+        return weight.detach() if index is None else weight.detach().index_select(0, index).contiguous()
+    from .ggufblocks import BlockWeight
+
+    sub = bw if index is None else BlockWeight(bw.blocks.index_select(0, index.to(bw.blocks.device)).contiguous(), bw.qtype,
+                                                bw.type_name, bw.in_features)
+    if floatless(weight):
+        out = stand_in(sub.out_features, sub.in_features)
+        make_floatless(out, sub)
+        return out
+    out = weight.detach() if index is None else weight.detach().index_select(0, index).contiguous()
+    attach_blocks(out, sub)
+    return out
+
+
+@contextmanager
+def float32_weights():
+    """Inside the block every weight held as blocks only has its float32 values back (rebuilt,
+    bitwise the dequantized weights) and the plan is the float32 stream kernel everywhere:
+    eagle2's float32 path, beside the blocks, in the same process (`compare --against
+    plain-float32`). After it the weights are blocks only again. Costs the float32 model's
+    memory while it lasts (the fused q/k/v and gate/up twice)."""
+    ws = [w for w in (ref() for ref in list(_FLOATLESS.values())) if w is not None and floatless(w)]
+    kept = [(w, blocks_of(w)) for w in ws]
+    try:
+        with torch.no_grad():
+            for w, bw in kept:
+                w.data = native.module().block_rows(bw.blocks, bw.qtype, bw.in_features, None, None)
+                attach_blocks(w, bw)
+        with using_plan(forced("stream")):
+            yield
+    finally:
+        with torch.no_grad():
+            for w, bw in kept:
+                make_floatless(w, bw)
+        trim_heap()
+
+
+def float_rows(weight: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The float values of some rows of `weight`, rebuilt from its blocks if it is held as blocks only."""
+    if not floatless(weight):
+        return weight.detach().index_select(0, index)
+    bw = blocks_of(weight)
+    return native.module().block_rows(bw.blocks, bw.qtype, bw.in_features, index, None)
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing):
+    after the load's many medium allocations (blocks read, stacked, dropped floats) the freed
+    ones would otherwise stay resident."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class FloatlessLinear(nn.Linear):
+    """An `nn.Linear` whose weight is held as blocks only: outside our forwards (which read the
+    blocks through `linear_rows`) it runs `F.linear` over the rebuilt float32 weight."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if floatless(self.weight):
+            return rebuilt_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class FloatlessEmbedding(nn.Embedding):
+    """An `nn.Embedding` whose table is held as blocks only: a lookup rebuilds just the rows asked for
+    (the same floats `F.embedding` would copy out of the float32 table)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not floatless(self.weight):
+            return super().forward(ids)
+        bw = blocks_of(self.weight)
+        rows = native.module().block_rows(bw.blocks, bw.qtype, bw.in_features, ids.reshape(-1), None)
+        return rows.view(*ids.shape, bw.in_features)
+
+
 def install_plan(plan: ProductPlan) -> None:
     """Make `plan` the one every product follows (measure.load_or_measure calls this);
     EAGLE2_KERNEL, where set, wins over any measured plan."""
@@ -222,7 +418,7 @@ def prepare(weights, plan: ProductPlan | None = None) -> int:
         del _PACKED[k]
     weights = list(weights)
     for w in weights:
-        if not (HAVE_PACKED and eligible(w) and plan.packs(shape_key(w))):
+        if not (HAVE_PACKED and eligible(w) and plan.packs(shape_key(w))) or floatless(w):
             _PACKED.pop(id(w), None)
         elif _packed_of(w) is None:
             with torch.no_grad():
@@ -262,6 +458,8 @@ def _kernel(rows: int, dtype: torch.dtype, input_grad: bool, weight: torch.Tenso
         return "linear"
     if torch.is_grad_enabled() and (weight.requires_grad or input_grad):
         return "linear"  # training keeps linear's backward
+    if dtype == torch.float32 and floatless(weight) and have_stream():
+        return "block"  # its blocks are all there is
     k = PLAN.kernel(rows, weight)
     if k == "block" and (dtype != torch.float32 or blocks_of(weight) is None):
         k = "stream"  # forced everywhere: the weights without blocks stream their floats
@@ -297,6 +495,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """Same result as `F.linear(x, weight, bias)` (up to rounding), by the plan's kernel."""
     k = kernel_for(x, weight)
     if k == "linear":
+        if floatless(weight):  # a gradient through it (training), or another dtype: over the rebuilt floats
+            return rebuilt_linear(x, weight, bias)
         return F.linear(x, weight, bias)
     if k == "stream":
         return native.module().stream_linear(x, weight, bias)
@@ -320,9 +520,12 @@ class RowLinear(nn.Linear):
         return linear_rows(x, self.weight, self.bias)
 
 
+PLAIN_LINEARS = (nn.Linear, RowLinear, FloatlessLinear)  # the linears our forwards may route through linear_rows
+
+
 def plain_linears(module: nn.Module) -> list[nn.Linear]:
     """The module's own `nn.Linear` layers (not quantized or other subclasses, which keep their forward)."""
-    return [m for m in module.modules() if type(m) in (nn.Linear, RowLinear)]
+    return [m for m in module.modules() if type(m) in PLAIN_LINEARS]
 
 
 def make_row_linears(module: nn.Module) -> nn.Module:

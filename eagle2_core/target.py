@@ -13,7 +13,7 @@ import torch
 from contextlib import contextmanager
 
 from . import leanbody
-from .rowgemm import eligible, linear_rows, plain_linears
+from .rowgemm import PLAIN_LINEARS, eligible, linear_rows, plain_linears
 from .tree import additive
 
 # End-of-turn markers of common chat templates; generation stops at these as at EOS.
@@ -78,7 +78,7 @@ class TargetRunner:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head
-        if type(head) is torch.nn.Linear:  # a quantized lm_head keeps its own forward
+        if type(head) in PLAIN_LINEARS:  # a quantized lm_head keeps its own forward (eagle2's CPU 8-bit reads blocks here)
             logits = linear_rows(hidden, head.weight, head.bias).float()
         else:
             logits = head(hidden).float()

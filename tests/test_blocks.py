@@ -81,12 +81,13 @@ def test_a_weight_of_the_wrong_shape_or_type_is_refused():
 
 
 @pytest.mark.slow
-def test_the_embedded_gguf_read_as_blocks_rebuilds_transformers_weights_bitwise():
+def test_the_embedded_gguf_read_as_blocks_rebuilds_transformers_weights_bitwise(monkeypatch):
     """Every mapped weight of the SmolLM2 file, q/k rows unpermuted on the blocks, dequantizes to
     the bits transformers loaded; and the block product over it is the float32 stream product."""
     from eagle2_core.ggufblocks import read_blocks
     from eagle2_core.loading import load_target, smollm2_gguf_path
 
+    monkeypatch.setenv("EAGLE2_BLOCKS", "keep")  # the float32 weights stay beside the blocks
     model = load_target(None, dtype="float32", device="cpu").model  # as transformers dequantizes it
     cfg = model.config
     blocks, other = read_blocks(smollm2_gguf_path(), cfg.num_attention_heads, cfg.num_key_value_heads)
@@ -166,3 +167,177 @@ def test_block_weights_through_the_one_engine(name, monkeypatch):
         with rowgemm.using_plan(rowgemm.forced("stream")):
             b = rowgemm.linear_rows(x, w)
         assert torch.equal(a, b)
+
+
+# -- eagle2's weight-only 8-bit (ROW_I8) and rows rebuilt for lookups (issue 41, parts 3-4) -----
+def test_row_int8_product_is_bitwise_the_float32_product_over_scale_times_q():
+    """`--load-in-8bit` on a CPU: int8 rows with a float32 scale each; the block product is the
+    float32 stream product over `scale * q` at every row count (so speculation is exact against
+    the 8-bit model's plain decoding), and the quantization is absmax per row."""
+    from eagle2_core.quantization import ROW_I8, rebuild_row_int8, row_int8
+
+    mod = native.module()
+    torch.manual_seed(5)
+    n, k = 6 * 5 + 3, 96
+    w = torch.randn(n, k) * 0.05
+    w[1] = 0.0  # a zero row: scale 0
+    w[2, 7] = 3.0  # one large value: that row's scale follows it
+    bw = row_int8(w)
+    assert bw.qtype == ROW_I8 and bw.blocks.shape == (n, 4 + k) and bw.blocks.dtype == torch.uint8
+    r = rebuild_row_int8(bw)
+    assert r[2, 7] == 3.0 and (r[1] == 0).all() and ((r - w).abs() <= w.abs().amax(1, keepdim=True) / 254 + 1e-7).all()
+    bias = torch.randn(n)
+    for rows in range(1, 24):
+        x = torch.randn(rows, k)
+        got = mod.block_linear(x, bw.blocks, ROW_I8, None)
+        want = mod.stream_linear(x, r, None)
+        assert torch.equal(got, want), (rows, (got - want).abs().max())
+    assert torch.equal(mod.block_linear(x, bw.blocks, ROW_I8, bias), mod.stream_linear(x, r, bias))
+    with pytest.raises(RuntimeError, match="block_into"):
+        mod.block_linear(torch.randn(2, 80), bw.blocks, ROW_I8, None)  # rows of 96 values, not 80
+
+
+@pytest.mark.parametrize("name", SIMPLE + K_QUANTS + ["ROW_I8"])
+def test_block_rows_rebuild_the_dequantized_rows_bitwise(name):
+    """An embedding lookup, or the float32 weight `generate` runs, from the blocks: gguf-py's
+    dequantization (scale * q for ROW_I8) of exactly the rows asked for, into a buffer or not."""
+    from eagle2_core.quantization import ROW_I8, rebuild_row_int8, row_int8
+
+    mod = native.module()
+    k = 512 if name in K_QUANTS else 96
+    if name == "ROW_I8":
+        bw = row_int8(torch.randn(9, k))
+        blocks, qtype, want = bw.blocks, ROW_I8, rebuild_row_int8(bw)
+    else:
+        raw = blocks_of(name, 9, k, np.random.default_rng(2))
+        blocks, qtype, want = torch.from_numpy(raw.copy()), int(getattr(T, name)), dequantized(name, raw, k)
+    assert torch.equal(mod.block_rows(blocks, qtype, k), want)
+    idx = torch.tensor([8, 0, 3, 3])
+    assert torch.equal(mod.block_rows(blocks, qtype, k, idx), want[idx])
+    buf = torch.full((9 * k,), float("nan"))
+    mod.block_rows(blocks, qtype, k, None, buf)
+    assert torch.equal(buf.view(9, k), want)
+    with pytest.raises(RuntimeError, match="out of range"):
+        mod.block_rows(blocks, qtype, k, torch.tensor([9]))
+
+
+def test_q4_0_quantizer_writes_blocks_gguf_py_reads_back_within_a_step():
+    """`--load-in-4bit` on a CPU: our Q4_0 blocks dequantize (gguf-py) to within half a
+    quantization step of the weights, and the Q4_0 kernel reads them bitwise as gguf-py does."""
+    from eagle2_core.quantization import q4_0
+
+    torch.manual_seed(6)
+    w = torch.randn(10, 128) * 0.05
+    w[3, :32] = 0.0
+    bw = q4_0(w)
+    back = dequantized("Q4_0", bw.blocks.numpy(), 128)
+    step = (w.reshape(10, 4, 32).abs().amax(-1, keepdim=True) / 8).expand(10, 4, 32).reshape(10, 128)
+    err = (back - w).abs()
+    # half a step, but a full one where +8 steps (the far end from the block's peak) clip to +7
+    assert (err <= step + 1e-6).all() and (err <= step / 2 + 1e-6).float().mean() > 0.95 and (back[3, :32] == 0).all()
+    x = torch.randn(5, 128)
+    assert torch.equal(native.module().block_linear(x, bw.blocks, 2, None), native.module().stream_linear(x, back, None))
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1"])
+def test_a_target_held_as_blocks_only_keeps_generate_bits_and_decodes_from_blocks(name):
+    """Issue 41's memory: the linears and the embedding keep their blocks only (stand-ins of one
+    NaN for the floats). transformers' own forward and `generate` rebuild each weight and give the
+    bits of the float32 model; eagle2 reads the blocks (its products cannot see a float: a miss
+    would be NaN) and greedy decoding is `generate`'s."""
+    import copy
+
+    from eagle2_core import Eagle2Decoder, GenerationSettings, TreeSettings, rowgemm
+    from eagle2_core.ggufblocks import BlockWeight
+    from eagle2_core.head import DraftHead, HeadSpec
+    from eagle2_core.loading import drop_floats
+    from eagle2_core.target import TargetRunner
+    from eagle2_core.vanilla import VanillaDecoder
+
+    model = quantized_tiny_llama(name, vocab=5000)  # lm_head rows past the chunk size: generate's lm_head runs in chunks
+    emb = model.get_input_embeddings().weight
+    qtype = getattr(T, name)
+    eb = gguf.quants.quantize(emb.detach().numpy(), qtype).reshape(emb.shape[0], -1)
+    with torch.no_grad():
+        emb.copy_(dequantized(name, eb, emb.shape[1]))
+    rowgemm.attach_blocks(emb, BlockWeight(torch.from_numpy(eb.copy()), int(qtype), name, emb.shape[1]))
+    ref = copy.deepcopy(model)  # the float32 model: new tensors, no blocks
+    torch.manual_seed(3)
+    head = DraftHead(HeadSpec.for_target(model.config)).bind(model).eval()
+    floats = sum(p.numel() * 4 for p in model.parameters() if p.dim() == 2)
+    assert drop_floats(model) == floats
+    assert all(rowgemm.floatless(p) and p.stride() == (0, 0) for p in model.parameters() if p.dim() == 2)
+    assert type(model.get_input_embeddings()) is rowgemm.FloatlessEmbedding and type(model.lm_head) is rowgemm.FloatlessLinear
+    head.bind(model)  # the draft lm_head: the target's rows as blocks only
+    assert rowgemm.floatless(head.draft_lm_head)
+    x = torch.tensor([[1, 5, 9, 2, 4000, 7, 7]])
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, ref(x).logits)
+    prompts = [[1, 5, 9, 2], [7, 7, 3, 11, 4, 30, 12], [40]]
+    refs = [ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=12,
+                         do_sample=False, pad_token_id=0)[0, len(ids):].tolist() for ids in prompts]
+    gen = GenerationSettings(max_new_tokens=12, eos_token_ids=())
+    assert [VanillaDecoder(model).generate(ids, gen)[0] for ids in prompts] == refs
+    before = rowgemm.PLAN
+    try:
+        rowgemm.install_plan(rowgemm.forced("stream"))  # a plan that names another kernel: blocks only still read blocks
+        dec = Eagle2Decoder(model, head, tree=TreeSettings(total_tokens=6, depth=3, top_k=2))
+        assert [dec.generate(ids, gen)[0] for ids in prompts] == refs
+        run = TargetRunner(model)
+        assert all(rowgemm.floatless(w) for w in run.lean.weights())  # fused q/k/v and gate/up: blocks only too
+        w = run.lean.weights()[0]
+        assert rowgemm.kernel_for(torch.randn(2, w.shape[1]), w) == "block"
+        with rowgemm.float32_weights():  # `compare --against plain-float32`: the float32 path beside the blocks
+            assert not any(rowgemm.floatless(p) for p in model.parameters()) and rowgemm.PLAN.everywhere == "stream"
+            assert rowgemm.kernel_for(torch.randn(2, w.shape[1]), w) == "stream"
+            assert [dec.generate(ids, gen)[0] for ids in prompts] == refs
+        assert all(rowgemm.floatless(p) and p.stride() == (0, 0) for p in model.parameters() if p.dim() == 2)
+        assert [dec.generate(ids, gen)[0] for ids in prompts] == refs
+    finally:
+        rowgemm.PLAN = before
+
+
+def test_read_blocks_parses_a_tiny_gguf_written_here_as_gguf_py_reads_it(tmp_path):
+    """eagle2 reads a GGUF's header itself (no gguf-py reader: its parse of the metadata held ~140
+    MB at its peak on SmolLM2): every kind of metadata value skipped, a custom alignment, the
+    block tensors' bytes (llama's q/k rows unpermuted) and the others' types as gguf-py reads them."""
+    from eagle2_core.ggufblocks import read_blocks, unpermute_rows
+
+    rng = np.random.default_rng(7)
+    path = str(tmp_path / "tiny.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_custom_alignment(64)
+    w.add_block_count(1)
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_array("tokenizer.ggml.tokens", ["a", "bb", "ccc"])
+    w.add_array("tokenizer.ggml.scores", [0.5, -1.0, 2.0])
+    w.add_array("some.nested", [[1, 2], [3]])
+    w.add_bool("some.flag", True)
+    w.add_float32("some.eps", 1e-5)
+    w.add_uint64("some.big", 1 << 40)
+    tensors = {}
+    for name, n, k, t in [("blk.0.attn_q.weight", 8, 64, "Q8_0"), ("blk.0.attn_k.weight", 4, 64, "Q4_1"),
+                          ("blk.0.ffn_up.weight", 6, 64, "Q5_0"), ("token_embd.weight", 10, 64, "Q8_0")]:
+        q = gguf.quants.quantize((rng.standard_normal((n, k)) * 0.1).astype(np.float32), getattr(T, t))
+        tensors[name] = (q, t)
+        w.add_tensor(name, q, raw_dtype=getattr(T, t))
+    w.add_tensor("blk.0.ffn_down.weight", rng.standard_normal((64, 6)).astype(np.float32))  # F32: stays dequantized
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(64, dtype=np.float32))  # 1-D: not a product weight
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    blocks, other = read_blocks(path, num_heads=4, num_kv_heads=2)
+    assert other == {"model.layers.0.mlp.down_proj.weight": "F32"}
+    reader = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(path).tensors}
+    for name, (q, t) in tensors.items():
+        from eagle2_core.ggufblocks import hf_name
+
+        bw = blocks[hf_name(name)]
+        assert bw.type_name == t and bw.in_features == 64 and bw.qtype == int(getattr(T, t))
+        want = reader[name].reshape(q.shape[0], -1)
+        if ".attn_q." in name:
+            want = unpermute_rows(want, 4)
+        elif ".attn_k." in name:
+            want = unpermute_rows(want, 2)
+        assert np.array_equal(bw.blocks.numpy(), want), name

@@ -288,4 +288,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_linear", &block_linear, "x @ dequantize(w).T (+ bias) from a GGUF block weight, bitwise the float32 stream product",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none());
   m.def("block_type_known", &block_type_known, "whether block_linear takes this GGML type");
+  m.def("block_rows", &block_rows, "float32 rows of a block weight, rebuilt as the block kernel reads them",
+        py::arg("w"), py::arg("qtype"), py::arg("k_len"), py::arg("rows") = py::none(), py::arg("into") = py::none());
 }

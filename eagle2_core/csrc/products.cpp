@@ -210,6 +210,20 @@ struct Q6_K : Blocks<256, 210> {  // 128 low-nibble bytes, 64 two-bit bytes, 16 
   }
 };
 
+// eagle2's weight-only 8-bit (`--load-in-8bit` on a CPU, not a GGML type): a row is one float32
+// scale then the row's int8 values, rebuilt as scale * q (one rounding, as torch's `scale * q`);
+// the scale is the row's absmax / 127 (quantization.py).
+struct RowI8 : F32 {
+  static constexpr int NB = 4, RB = 4;
+  static constexpr bool BLOCKS = true;
+  static inline int64_t row_bytes(int64_t k_len) { return k_len + 4; }
+  static inline Row read(const uint8_t* row, int64_t k) {
+    float s;
+    std::memcpy(&s, row, 4);
+    return {to_f(i8_lanes(row + 4 + k)) * splat(s)};
+  }
+};
+
 // The next block of weight rows, fetched into cache a few lines a step while this block's tiles
 // compute: memory streams while the arithmetic runs, so a product of many rows costs the larger
 // of the two, not their sum (prefetching is what took 16 rows from 2.4x to 1.7-2.1x the read).
@@ -393,11 +407,13 @@ at::Tensor stream_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
   return y.to(x.scalar_type()).view(sizes);
 }
 
-// GGML's type ids (gguf-py's GGMLQuantizationType) -> the block kernels above
+// GGML's type ids (gguf-py's GGMLQuantizationType) -> the block kernels above; ROW_I8 is ours
+static constexpr int64_t ROW_I8 = 100;
 static int64_t q_block(int64_t t) {
   switch (t) {
     case 2: case 3: case 6: case 7: case 8: return 32;
     case 12: case 13: case 14: return 256;
+    case ROW_I8: return 16;
   }
   return 0;
 }
@@ -410,12 +426,64 @@ static int64_t q_bytes(int64_t t) {
 }
 
 bool block_type_known(int64_t qtype) { return q_block(qtype) != 0; }
+static int64_t q_row_bytes(int64_t t, int64_t k_len) { return t == ROW_I8 ? k_len + 4 : k_len / q_block(t) * q_bytes(t); }
+
+template <typename K>
+static void rebuild_rows(const uint8_t* W, int64_t k_len, const int64_t* idx, int64_t n, float* out) {
+  const int64_t rb = K::row_bytes(k_len);
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* w = W + (idx ? idx[r] : r) * rb;
+      for (int64_t k = 0; k < k_len; k += K::STEP) store(out + r * k_len + k, K::read(w, k).v);
+    }
+  });
+}
+
+at::Tensor block_rows(const at::Tensor& w, int64_t qtype, int64_t k_len, const c10::optional<at::Tensor>& rows,
+                      const c10::optional<at::Tensor>& into) {
+  TORCH_CHECK(block_type_known(qtype), "block_rows: unknown GGML type ", qtype);
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kByte && k_len % q_block(qtype) == 0 &&
+              w.size(1) == q_row_bytes(qtype, k_len), "block_rows: a [N, blocks x bytes] uint8 weight for this row length");
+  at::Tensor idx;
+  const int64_t* ip = nullptr;
+  int64_t n = w.size(0);
+  if (rows) {
+    idx = rows->to(at::kLong).contiguous();
+    n = idx.numel();
+    ip = idx.data_ptr<int64_t>();
+    const int64_t N = w.size(0);
+    for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "block_rows: row ", ip[i], " out of range");
+  }
+  at::Tensor out;
+  if (into) {
+    TORCH_CHECK(into->scalar_type() == at::kFloat && into->is_contiguous() && into->numel() == n * k_len, "block_rows: `into` holds ",
+                n, " x ", k_len, " contiguous float32 values");
+    out = into->view({n, k_len});
+  } else {
+    out = at::empty({n, k_len}, at::TensorOptions().dtype(at::kFloat));
+  }
+  if (n == 0) return out;
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  switch (qtype) {
+    case 2: rebuild_rows<Q4_0>(W, k_len, ip, n, o); break;
+    case 3: rebuild_rows<Q4_1>(W, k_len, ip, n, o); break;
+    case 6: rebuild_rows<Q5_0>(W, k_len, ip, n, o); break;
+    case 7: rebuild_rows<Q5_1>(W, k_len, ip, n, o); break;
+    case 8: rebuild_rows<Q8_0>(W, k_len, ip, n, o); break;
+    case 12: rebuild_rows<Q4_K>(W, k_len, ip, n, o); break;
+    case 13: rebuild_rows<Q5_K>(W, k_len, ip, n, o); break;
+    case 14: rebuild_rows<Q6_K>(W, k_len, ip, n, o); break;
+    case ROW_I8: rebuild_rows<RowI8>(W, k_len, ip, n, o); break;
+  }
+  return out;
+}
 
 void block_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const at::Tensor* bias, at::Tensor& out) {
   const int64_t k_len = x.size(-1), N = w.size(0);
   TORCH_CHECK(block_type_known(qtype), "block_into: unknown GGML type ", qtype);
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kByte && k_len % q_block(qtype) == 0 &&
-              w.size(1) == k_len / q_block(qtype) * q_bytes(qtype), "block_into: a [N, blocks x bytes] uint8 weight for this input width");
+              w.size(1) == q_row_bytes(qtype, k_len), "block_into: a [N, blocks x bytes] uint8 weight for this input width");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && out.is_contiguous() && out.scalar_type() == at::kFloat &&
               out.numel() == x.numel() / k_len * N && (!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N)),
               "block_into: contiguous float32 input, bias and output of matching sizes");
@@ -433,6 +501,7 @@ void block_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const a
     case 12: run<Q4_K>(W, N, k_len, X, R, y); break;
     case 13: run<Q5_K>(W, N, k_len, X, R, y); break;
     case 14: run<Q6_K>(W, N, k_len, X, R, y); break;
+    case ROW_I8: run<RowI8>(W, N, k_len, X, R, y); break;
   }
   if (bias) {  // after the sum, as stream_into adds it
     const float* b = bias->data_ptr<float>();

@@ -20,3 +20,8 @@ void stream_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bia
 bool block_type_known(int64_t qtype);
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const c10::optional<at::Tensor>& bias);
 void block_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const at::Tensor* bias, at::Tensor& out);
+// Type 100 (not GGML's): eagle2's weight-only 8-bit, a row = float32 scale + int8 values, scale * q.
+// The float32 rows `rows` (all where None) of a block weight whose rows are k_len long, rebuilt as
+// the products read them [n, k_len]: an embedding lookup, or a float32 copy for `generate`.
+at::Tensor block_rows(const at::Tensor& w, int64_t qtype, int64_t k_len, const c10::optional<at::Tensor>& rows,
+                      const c10::optional<at::Tensor>& into);
