@@ -16,7 +16,7 @@ HELP = """\
 /set key=value     change a setting: temperature, top_p, top_k, max_new_tokens, seed,
                    total_tokens (a number or auto), depth, tree_top_k, draft_shape, show_draft, compare
                    (/set alone lists them)
-/stats             statistics of the session so far
+/stats             statistics of the session so far (and per turn: prompt tokens prefilled and reused)
 /bench             re-measure vanilla tokens/s (the speedup baseline)
 /save FILE         write the conversation and statistics as JSON
 /exit              quit (also Ctrl-D); Ctrl-C stops the current answer
@@ -41,6 +41,12 @@ def _bool(v: str) -> bool:
     if v in ("0", "off", "false", "no", "n"):
         return False
     raise ValueError(f"expected on or off, not {v!r}")
+
+
+def prefill_line(s) -> str:
+    """What a turn's prefill ran: "prompt 812 tokens: 790 reused, 22 prefilled in 0.05 s"."""
+    return (f"prompt {s.prompt_tokens} tokens: {s.cached_tokens} reused, {s.prompt_tokens - s.cached_tokens} prefilled "
+            f"in {s.prefill_s:.2f} s")
 
 
 def history_path() -> str:
@@ -88,7 +94,8 @@ class ChatApp:
         from .ui import stats_panel
 
         if title is None:  # the decoding is EAGLE-2's dynamic tree whichever head drafts it
-            title = "EAGLE-2, EAGLE-3 head" if getattr(self.rt.head, "kind", "") == "eagle3" else "EAGLE-2"
+            title = ("EAGLE-2, EAGLE-3 head" if getattr(self.rt.head, "kind", "") == "eagle3"
+                     else "EAGLE-2, head-free drafts" if self.rt.head is None else "EAGLE-2")
 
         speedup, basis = self._basis(summary.tokens_per_s, vanilla)
         if self.compare and vanilla is None and self.baseline is None:
@@ -109,7 +116,8 @@ class ChatApp:
         if why is not None:  # checked before it joins the conversation, which it would break for every later turn
             error(self.err, f"this turn {why}; it was not sent")
             return
-        ids = rt.encode(self.conv.add_user(text))
+        self.conv.add_user(text)
+        ids = self.conv.encode(rt.tokenizer, rt.chat_template)
         if len(ids) >= rt.max_positions:
             self.conv.drop_last_user()
             error(self.err, f"the conversation is {len(ids)} tokens, the model's context is {rt.max_positions}; /reset to start over")
@@ -117,7 +125,8 @@ class ChatApp:
         detok = IncrementalDetokenizer(rt.tokenizer)
         live = LiveStats()
         summary, vanilla, extra, interrupted = None, None, None, False
-        stream = rt.eagle().stream(ids, rt.gen)
+        # kept after the answer (prefix.py): the next turn prefills only what it adds
+        stream = rt.eagle().stream(ids, rt.gen, keep=rt.prefix_cache is not None)
         with AnswerView(self.out, self.err, self.show_draft) as view:
             try:
                 for ev in stream:
@@ -133,16 +142,20 @@ class ChatApp:
                 stream.close()
                 summary = live.summary
                 summary.finish_reason = "interrupted"
+                summary.prompt_tokens = len(ids)
             tree = summary.mean_tree_size
+            extra = prefill_line(summary)
             if self.compare and not interrupted:
                 view.set_stats(self._panel(summary, tree, extra="running vanilla on the same prompt..."))
                 v_tokens, vanilla = rt.vanilla().generate(ids, rt.gen)
                 self.vanilla_turns.append(vanilla)
                 if rt.gen.temperature <= 0:
                     i = first_difference(detok.ids, v_tokens)
-                    extra = "identical to vanilla" if i is None else f"differs from vanilla from token {i}"
+                    extra += "; " + ("identical to vanilla" if i is None else f"differs from vanilla from token {i}")
             view.set_stats(self._panel(summary, tree, vanilla, extra))
-        self.conv.add_assistant(detok.text, summary)
+        # the answer's own ids continue the conversation (chat.Conversation); an interrupted one
+        # too: its cache was kept if the stream closed between events, else the next turn prefills it
+        self.conv.add_assistant(detok.text, summary, detok.ids, rt.tokenizer)
         if interrupted:
             self.err.print("[yellow]interrupted[/] (the partial answer stays in the conversation)")
 
@@ -161,6 +174,8 @@ class ChatApp:
             err.print(HELP, markup=False, highlight=False)
         elif cmd == "/reset":
             self.conv.reset()
+            if self.rt.prefix_cache is not None:  # the conversation's kept cache goes with it
+                self.rt.prefix_cache.clear()
             self.vanilla_turns.clear()
             err.print("conversation cleared")
         elif cmd == "/system":
@@ -217,6 +232,8 @@ class ChatApp:
             panel = stats_panel(tot, tree, speedup, f"vs vanilla on the same {len(self.vanilla_turns)} prompts", title="session",
                                 extra=f"{len(self.conv.turns)} answers this session")
         (self.out if self.out.is_terminal else self.err).print(panel)
+        for i, t in enumerate(self.conv.turns, 1):
+            self.err.print(f"turn {i}: {prefill_line(t)}", highlight=False, markup=False)
 
     def save(self, path: str) -> None:
         from eagle2_core.chat import settings_view
@@ -323,10 +340,13 @@ def key_bindings():
 @click.option("--baseline-tokens", type=click.IntRange(min=1), default=32, show_default=True, help="Tokens in the vanilla baseline run.")
 @click.option("--no-calibrate", is_flag=True, hidden=True, callback=renamed_flag("--no-baseline"))
 @click.option("--calibration-tokens", type=click.IntRange(min=1), default=None, hidden=True, callback=renamed_flag("--baseline-tokens"))
+@click.option("--no-prefix-cache", is_flag=True,
+              help="Prefill every turn's whole conversation again instead of continuing the kept cache of the last one.")
 @click.option("--history", "history_file", type=click.Path(dir_okay=False), default=None,
               help="Input history file [default: ~/.cache/eagle2/chat_history, or under $XDG_CACHE_HOME / $EAGLE2_CACHE].")
 @common_options
-def chat(prompts, show_draft, compare_each, no_baseline, baseline_tokens, no_calibrate, calibration_tokens, history_file, common):
+def chat(prompts, show_draft, compare_each, no_baseline, baseline_tokens, no_calibrate, calibration_tokens, no_prefix_cache,
+         history_file, common):
     """Chat with a model, EAGLE-2 decoding, with live speed statistics.
 
     Streams each answer as tokens are accepted, under a panel with tau (tokens per target
@@ -338,6 +358,10 @@ def chat(prompts, show_draft, compare_each, no_baseline, baseline_tokens, no_cal
 
     out, err = consoles()
     rt = common.load(err)
+    if not no_prefix_cache:
+        from eagle2_core.prefix import PrefixCache
+
+        rt.prefix_cache = PrefixCache()
     if rt.generation_label() != "greedy":  # say where sampling or a penalty came from: flags or the model's generation_config
         err.print(f"[dim]generation: {rt.generation_label()} (the model's generation_config, flags override)[/]", highlight=False)
     app = ChatApp(rt, out, err, show_draft=show_draft, compare=compare_each, baseline_tokens=calibration_tokens or baseline_tokens)

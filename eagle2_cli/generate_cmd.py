@@ -40,8 +40,10 @@ Examples:
 @click.option("--batch-size", "-b", type=CountOrAuto("one prompt at a time"), default="auto", show_default=True, metavar="N|auto",
               help="Sequences decoded together (continuous batching: a finished one's slot takes the next prompt). "
                    "auto: the size that this machine's measured costs say is fastest; 1: one prompt at a time.")
+@click.option("--no-prefix-cache", is_flag=True,
+              help="Prefill a conversation's later turns whole instead of continuing the kept cache of its earlier turn.")
 @common_options
-def generate(input_path, output_path, overwrite, no_progress, batch_size, common):
+def generate(input_path, output_path, overwrite, no_progress, batch_size, no_prefix_cache, common):
     """Generate answers for every prompt in a JSONL file.
 
     MT-bench lines run turn by turn: each answer goes into the next turn's prompt.
@@ -83,6 +85,10 @@ def generate(input_path, output_path, overwrite, no_progress, batch_size, common
     if tree_tokens == 1:  # plain decoding: the engine's cycle with a tree of one node
         common.total_tokens = None
     rt = common.load(err) if todo else None
+    if rt is not None and not no_prefix_cache:
+        from eagle2_core.prefix import PrefixCache
+
+        rt.prefix_cache = PrefixCache()
     batched, plan = (None, {})
     if rt is not None:
         batched, plan = rt.batch_decoder(todo, None if batch_size == "auto" else batch_size, tree_tokens,

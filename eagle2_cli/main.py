@@ -104,3 +104,4 @@ def _register_optional(module: str, name: str) -> None:
 
 _register_optional("train_cmd", "train")
 _register_optional("tune_cmd", "tune")
+_register_optional("serve_cmd", "serve")

@@ -227,8 +227,10 @@ def item_record(item: PromptItem, texts: list[str], reasons: list[str], total: S
     else:
         out["text"] = texts[0]
         out["finish_reason"] = reasons[0]
+    # cached_tokens: prompt tokens restored from the item's earlier turn (prefix.py), as OpenAI reports them
     out["usage"] = {"prompt_tokens": total.prompt_tokens, "completion_tokens": total.new_tokens,
-                    "total_tokens": total.prompt_tokens + total.new_tokens}
+                    "total_tokens": total.prompt_tokens + total.new_tokens,
+                    "prompt_tokens_details": {"cached_tokens": total.cached_tokens}}
     out["metrics"] = summary_metrics(total, depth)
     return out
 
@@ -248,7 +250,8 @@ def run_item(runtime, decoder, item: PromptItem, gen: GenerationSettings, on_tok
         err = _too_long(runtime, item, ids, t)
         if err is not None:
             raise err
-        tokens, summary = decoder.generate(ids, g)
+        # kept while a later turn follows: it continues this one (prefix.py)
+        tokens, summary = decoder.generate(ids, g, keep=t < len(item.followups))
         text = runtime.decode(tokens)
         if on_tokens:
             on_tokens(len(tokens))
@@ -289,7 +292,7 @@ def run_batched(runtime, pending: list, writer: "OutputWriter", gen: GenerationS
             del state[key]
             fail(err)
             return
-        req = Request(key, ids, st["gen"])
+        req = Request(key, ids, st["gen"], keep=turn < len(item.followups))  # kept for the item's next turn
         queue.appendleft(req) if front else queue.append(req)
 
     def done(key: int, tokens: list[int], summary: Summary) -> None:

@@ -112,6 +112,23 @@ class KVCache(Cache):
                 layer.keys[dst] = layer.keys[src]
                 layer.values[dst] = layer.values[src]
 
+    def take(self, row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of row `row`'s first `length` cells, per layer ([heads, length, dim] K and V): what a
+        kept sequence holds (prefix.py). A copy, since the row soon holds another sequence."""
+        return [(layer.keys[row, :, :length].clone(), layer.values[row, :, :length].clone())
+                for layer in self.layers if layer.is_initialized]
+
+    def put(self, row: int, kept: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
+        """Row `row`'s first `length` cells from `kept` (`take`'s copies), in place (a fixed-mode
+        capture keeps reading the same buffers). Cells past `length` are left to the next forward."""
+        if len(self.layers) != len(kept):
+            raise ValueError(f"a kept sequence has {len(kept)} layers, this cache {len(self.layers)}")
+        for layer, (k, v) in zip(self.layers, kept):
+            if not layer.is_initialized:  # a fresh cycle (another engine kept it): buffers shaped as its cells
+                layer.lazy_initialization(k[None], v[None])
+            layer.keys[row, :, :length] = k[:, :length]
+            layer.values[row, :, :length] = v[:, :length]
+
     def grow(self, capacity: int) -> None:
         def bigger(t):
             new = t.new_zeros(t.shape[0], t.shape[1], capacity, t.shape[3])

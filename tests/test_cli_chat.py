@@ -86,7 +86,7 @@ def test_chat_repl_turns_and_ctrl_c(tiny_model_dir, tiny_head_dir):
     assert app.conv.messages[0]["content"] == "multi\nline" and app.conv.messages[1]["role"] == "assistant"
 
     class Interrupting:  # a decoder whose stream is interrupted after the first token (Ctrl-C)
-        def stream(self, ids, gen):
+        def stream(self, ids, gen, keep=False):
             yield StepEvent([5], 0, 1, 0.0, 0.0)
             raise KeyboardInterrupt
 
