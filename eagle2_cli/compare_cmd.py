@@ -31,9 +31,10 @@ def _against(ctx, param, value):
     for n in set(names) & set(RENAMED):
         old_spelling(f"--against {n}", RENAMED[n])
     names = tuple(dict.fromkeys(RENAMED.get(n, n) for n in names))
-    bad = [n for n in names if n not in BASELINES and parse_tree_spec(n) is None and parse_batch_spec(n) is None]
+    bad = [n for n in names if n not in BASELINES and parse_tree_spec(n) is None and parse_batch_spec(n) is None
+           and not n.startswith("sources:")]
     if bad:
-        raise click.BadParameter(f"unknown baseline {', '.join(bad)}; choose from {', '.join(BASELINES)}, tree:N/D/K, auto:N/D/K or batch:B[xN]")
+        raise click.BadParameter(f"unknown baseline {', '.join(bad)}; choose from {', '.join(BASELINES)}, tree:N/D/K, auto:N/D/K, batch:B[xN] or sources:A+B")
     for n in names:
         if (spec := parse_tree_spec(n)) is not None:
             try:
@@ -57,6 +58,19 @@ def calibration_line(comp) -> str | None:
                if gap > BADLY_CALIBRATED else f"well calibrated (gap <= {BADLY_CALIBRATED})")
     fix = "; the per-cycle budget corrects by each confidence bin's measured acceptance" if gap > BADLY_CALIBRATED else ""
     return f"calibration: mean draft confidence {c / n:.3f}, acceptance {a / n:.3f}, gap {gap:.3f}, {verdict}{fix}"
+
+
+def source_lines(comp) -> list[str]:
+    """Per method whose trees mixed draft sources (sources.py): each source's share of the
+    output, nodes verified and accepted, and the calibration gap of its conditionals."""
+    lines = []
+    for name, run in comp.runs.items():
+        table = run.total.source_table() if run.speculative and run.total.source_counts else {}
+        if table:
+            parts = [f"{src} {v['share']:.0%} of output ({v['nodes']} nodes, {v['accepted']} accepted"
+                     + (f", gap {v['calibration_gap']:.3f})" if v["calibration_gap"] is not None else ")") for src, v in table.items()]
+            lines.append(f"sources, {name}: " + "; ".join(parts))
+    return lines
 
 
 def divergence_text(d, decode) -> str:
@@ -195,6 +209,8 @@ def compare(vanilla, input_path, dataset, limit, against, plain, assistant, json
     if line := step_times_line(comp):
         out.print(line, soft_wrap=True, highlight=False)
     if line := calibration_line(comp):
+        out.print(line, soft_wrap=True, highlight=False)
+    for line in source_lines(comp):
         out.print(line, soft_wrap=True, highlight=False)
     cats = comp.per_category("eagle2")
     if cats:

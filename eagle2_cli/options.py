@@ -22,6 +22,7 @@ class UserInputError(click.ClickException):
 class CommonOptions:
     model: str | None
     draft: str | None
+    draft_sources: str | None
     dtype: str
     device: str
     device_map: str | None
@@ -76,7 +77,7 @@ class CommonOptions:
                               trust_remote_code=self.trust_remote_code, tree=self.tree_overrides(),
                               gen_overrides=self.generation_overrides(), use_generation_config=self.generation_config,
                               sample_by_default=sample_by_default, system_prompt=self.system_prompt, chat_template=template,
-                              need_head=need_head, compile=self.compile)
+                              need_head=need_head, compile=self.compile, draft_sources=self.draft_sources)
         for line in rt.notices if console is not None else ():
             console.print(f"[yellow]note:[/] {line}", markup=True, highlight=False, soft_wrap=True)
         if need_head and rt.head_is_random and console is not None:
@@ -152,13 +153,19 @@ def _options(max_new_tokens: int):
         o("--model", "-m", default=None, envvar="EAGLE2_MODEL", show_envvar=True, metavar="MODEL",
           help="Target: hub id, local folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct."),
         o("--draft", "-d", default=None, envvar="EAGLE2_DRAFT", metavar="HEAD",
-          help="EAGLE draft head: folder or hub id; 'random' for an untrained head. Default: the shipped/registry head."),
+          help="EAGLE draft head: folder or hub id; 'none' to draft from the head-free sources alone; 'random' for an "
+               "untrained head. Default: the shipped/registry head (none where no head is known)."),
+        o("--draft-sources", default=None, envvar="EAGLE2_DRAFT_SOURCES", metavar="LIST",
+          help="Which draft sources grow the tree, comma-separated: head, recycle (the target's own top-k after each "
+               "token), match (continuations of the context). Default: all there are."),
         o("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True,
           help="Weights dtype (auto: float32 on CPU, bf16/fp16 on GPU)."),
         o("--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, mps or auto."),
         o("--device-map", default=None, help="Accelerate device map for large targets, e.g. auto."),
-        o("--load-in-8bit", is_flag=True, help="Quantize the target with bitsandbytes (8-bit)."),
-        o("--load-in-4bit", is_flag=True, help="Quantize the target with bitsandbytes (4-bit)."),
+        o("--load-in-8bit", is_flag=True, help="Quantize the target to 8 bits: on a CPU eagle2's weight-only int8 "
+          "(a float32 scale per row, float32 activations), on a GPU bitsandbytes' LLM.int8."),
+        o("--load-in-4bit", is_flag=True, help="Quantize the target to 4 bits: on a CPU eagle2's Q4_0 blocks "
+          "(32 values, an fp16 scale), on a GPU bitsandbytes."),
         o("--trust-remote-code", is_flag=True, help="Allow custom modelling code from the hub."),
         o("--temperature", "-t", type=FiniteFloat(min=0), default=None,
           help="Sampling temperature; 0 = greedy. [default: the model's generation_config, else greedy; compare: greedy]"),

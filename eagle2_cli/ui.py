@@ -66,6 +66,11 @@ def stats_panel(summary, tree_size: float | None, speedup: float | None, basis: 
     t.append(fmt_depths(summary.acceptance_by_depth))
     t.append(f"   tokens {summary.new_tokens}   verify steps {summary.cycles}", style="dim")
     t.append(f"\nspeedup {basis}", style="dim")
+    table = summary.source_table() if getattr(summary, "source_counts", None) else {}
+    if table:  # which draft sources fed the answer (sources.py)
+        t.append("\nfrom ", style="dim")
+        t.append(", ".join(f"{src} {v['share']:.0%}" for src, v in table.items()))
+        t.append(" of the tokens; the rest the target's own", style="dim")
     if extra:
         t.append("\n" + extra, style="dim")
     return Panel(t, title=title, title_align="left", border_style="blue", expand=False)

@@ -98,6 +98,14 @@ def monotone(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return torch.tensor([v for v, _, c in blocks for _ in range(c)], dtype=values.dtype)
 
 
+def head_pays(tokens: float, ms: float, head_tokens: float, head_ms: float) -> bool:
+    """Tokens per ms with the head (tokens in ms) at least those without it (its exclusive
+    tokens and its draft time taken away): T / C >= (T - m) / (C - d)."""
+    if ms <= head_ms:
+        return True
+    return tokens / ms >= (tokens - head_tokens) / (ms - head_ms)
+
+
 def mean_row(probs: torch.Tensor) -> torch.Tensor:
     """[rows, m] path probabilities -> [m]: each row sorted highest first, then averaged over rows.
     One tree size serves every row of a batch, so its expected tokens per row are the mean of the
@@ -224,10 +232,12 @@ class BudgetChooser:
         gain = expected_tokens(p)
         return float((gain / (self.verify_table()[: p.numel() + 1] + self.draft_cost(steps))).max())
 
-    def choose(self, path_probs: torch.Tensor, steps: int) -> int:
+    def choose(self, path_probs: torch.Tensor, steps: int, calibrated: bool = False) -> int:
         """Tree size (root included) for this cycle: `path_probs` [rows, m] (or [m]) are each busy
-        row's best path probabilities, `steps` draft steps spent."""
-        p = mean_row(self._cal(torch.atleast_2d(path_probs)))
+        row's best path probabilities, `steps` draft steps spent; `calibrated`: already on the
+        one scale of acceptance estimates (a merged tree, sources.py), not the head's raw confidence."""
+        p = torch.atleast_2d(path_probs).double().cpu()
+        p = mean_row(p if calibrated else self._cal(p))
         return choose_budget(p[: self.max_tokens - 1], self.verify_table(), self.draft_cost(steps))
 
     def worth_expanding(self, pool_logp: torch.Tensor, front_logp: torch.Tensor, steps: int, remaining: int) -> bool:
@@ -260,6 +270,16 @@ class BudgetChooser:
             return True
         return self.run_tokens / self.run_ms >= self.batch / self.plain_ms()
 
+    def head_pays(self, tally: dict | None) -> bool:
+        """Whether the head pays beside the head-free sources (sources.py) over this run: with it,
+        T tokens in C ms; without it, about T - m tokens (m: accepted nodes only the head
+        proposed) in C - d ms (d: its draft steps). Its draft step is paid before its nodes are
+        seen, so the per-cycle budget cannot drop it; this measured rate does, after `patience`
+        cycles. None (no merged trees): nothing to compare."""
+        if not tally or tally["cycles"] < self.patience:
+            return True
+        return head_pays(tally["tokens"], tally["ms"], tally["head_tokens"], tally["head_ms"])
+
     # -- evidence -------------------------------------------------------------------------------
     def note_children(self, child_logp: torch.Tensor, parent_logp: torch.Tensor | None = None) -> None:
         """One expansion: [front, k] children's log-probabilities given their parents, and the
@@ -276,9 +296,11 @@ class BudgetChooser:
         self.keep_n += float(w.sum())
 
     def observe(self, path_probs: torch.Tensor, on_path: torch.Tensor, draft_ms: float, verify_ms: float, steps: int = 1,
-                tokens: float | None = None) -> None:
+                tokens: float | None = None, head_nodes: torch.Tensor | None = None) -> None:
         """One verified cycle: its drafted nodes' path probabilities ([rows, N - 1] or [N - 1]),
-        which were accepted, its times, its draft steps, and the tokens it produced."""
+        which were accepted, its times, its draft steps, and the tokens it produced. `head_nodes`
+        (same shape, bool): in a merged tree, the nodes the head proposed, the only ones its
+        calibration learns from (`path_probs` then holds the head's raw path probabilities)."""
         path_probs, on_path = torch.atleast_2d(path_probs), torch.atleast_2d(on_path)  # [rows, N - 1]
         n = path_probs.shape[-1] + 1
         st = self._state()
@@ -293,6 +315,8 @@ class BudgetChooser:
         self.run_cycles += 1
         self.run_tokens += float(tokens) if tokens is not None else float(on_path.sum()) + path_probs.shape[0]
         self.run_ms += draft_ms + verify_ms
+        if head_nodes is not None:
+            path_probs, on_path = path_probs[head_nodes.cpu()], on_path.cpu()[head_nodes.cpu()]
         if path_probs.numel():
             self.counts += bin_counts(path_probs.double().cpu().flatten(), on_path.cpu().flatten(), self.counts.shape[1])
 
@@ -313,9 +337,10 @@ class TreePolicy:
         self.steps = 1       # head steps of the current draft: the absorb, then one per depth fed
         self._rows = None    # the busy rows' mask [B], None where every row is busy
 
-    def begin(self, active: torch.Tensor, every_row_busy: bool) -> None:
-        """A new draft over rows `active` [B] (`every_row_busy`: no row needs leaving out)."""
-        self.steps = 1
+    def begin(self, active: torch.Tensor, every_row_busy: bool, steps: int = 1) -> None:
+        """A new draft over rows `active` [B] (`every_row_busy`: no row needs leaving out);
+        `steps`: head steps already spent (the absorb; none where only head-free sources draft)."""
+        self.steps = steps
         self._rows = None if every_row_busy else active
 
     def _busy(self, t: torch.Tensor) -> torch.Tensor:
@@ -344,7 +369,17 @@ class TreePolicy:
         best = torch.topk(self._busy(pool_logp), n_max - 1, dim=1).values.exp()
         return self.chooser.choose(best, self.steps)
 
-    def observe(self, path_probs: torch.Tensor, on_path: torch.Tensor, draft_s: float, verify_s: float, tokens: int) -> None:
+    def calibrated(self, path_probs: torch.Tensor) -> torch.Tensor:
+        """The head's path probabilities corrected by its measured calibration (`calibrate`)."""
+        return self.chooser._cal(path_probs)
+
+    def size_of(self, path_probs: torch.Tensor) -> int:
+        """Tree size (root included) for a merged tree: `path_probs` [rows, m] are each busy row's
+        calibrated scores in best-first order (sources.py: already on one scale)."""
+        return self.chooser.choose(path_probs, self.steps, calibrated=True)
+
+    def observe(self, path_probs: torch.Tensor, on_path: torch.Tensor, draft_s: float, verify_s: float, tokens: int,
+                head_nodes: torch.Tensor | None = None) -> None:
         """The verified cycle, busy rows only: drafted nodes' path probabilities and which were
         accepted ([rows, N - 1]), its times and the tokens it produced."""
-        self.chooser.observe(path_probs, on_path, 1000 * draft_s, 1000 * verify_s, self.steps, tokens)
+        self.chooser.observe(path_probs, on_path, 1000 * draft_s, 1000 * verify_s, self.steps, tokens, head_nodes)

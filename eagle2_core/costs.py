@@ -73,10 +73,15 @@ class CostProfile:
         children, so where k rows cost what one does (a GPU; a CPU's few-row products) a wide
         front is nearly free candidates, and where each row costs (bf16 without bf16 units) the
         chooser is better served by a narrow one."""
+        if not self.draft_ms:  # measured with no head: nothing to widen
+            return 1
         best = min(self.draft_ms.values())
         return max(k for k, ms in self.draft_ms.items() if ms <= slack * best)
 
     def draft_step_ms(self, rows: int) -> float:
+        """ms of one head step over `rows` nodes (0 where no head was measured: head-free sources draft on the host)."""
+        if not self.draft_ms:
+            return 0.0
         xs = sorted(self.draft_ms)
         x = min(xs, key=lambda v: abs(v - rows))
         return self.draft_ms[x]
@@ -128,7 +133,8 @@ def profile_key(model, head) -> dict:
             "device": str(w.device), "device_name": _device_name(w.device), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "body": _body_label(TargetRunner(model)),
-            "blocks": sorted({b.type_name for b in map(rowgemm.blocks_of, model.parameters()) if b is not None}),
+            "blocks": sorted({b.type_name for b in map(rowgemm.blocks_of, model.parameters()) if b is not None})
+                      + (["floatless"] if any(map(rowgemm.floatless, model.parameters())) else []),
             "head": None if head is None else f"{getattr(head, 'kind', 'eagle2')}:{head.spec.hidden_size}:{head_draft_rows(head)}"}
 
 
@@ -172,7 +178,7 @@ def product_weights(model, head) -> list[torch.Tensor]:
 
     run = TargetRunner(model)
     ws = run.lean.weights() if run.lean is not None else [m.weight for m in run.cpu_linears]
-    if type(run.lm_head) is torch.nn.Linear:
+    if type(run.lm_head) in rowgemm.PLAIN_LINEARS:
         ws.append(run.lm_head.weight)
     if head is not None:
         ws += [m.weight for m in rowgemm.plain_linears(head)] + leanbody.head_weights(head)  # + its native step's fused copies
@@ -206,7 +212,7 @@ def product_plan(products: dict) -> rowgemm.ProductPlan:
             t = by_rows[r]
             cands = {k: t[k] for k in ("transposed", "stream", "block") if k in t} | ({"packed": t[hint]} if hint else {})
             name = min(cands, key=cands.get)
-            chosen[r] = name if cands[name] < ROW_WIN * t["linear"] else "linear"
+            chosen[r] = name if "linear" not in t or cands[name] < ROW_WIN * t["linear"] else "linear"  # blocks only: no linear
         kernels[key] = {b: chosen[next((r for r in rows if r >= b), rows[-1])] for b in rowgemm.ROW_BUCKETS}
         if hint and "packed" in kernels[key].values():
             hints[key] = int(hint.split("@")[1])

@@ -1,7 +1,9 @@
 """One EAGLE-2 cycle with a batch dimension: draft, verify, commit, over every row's state at once.
 
 B >= 1 sequences (*rows*) decode together: draft a tree per row with the draft head (EAGLE-2
-section 4: expansion by path score, then rerank), verify every row's tree in one forward of the
+section 4: expansion by path score, then rerank) and, in live mode, the head-free draft sources
+(sources.py: recycled target top-k, context matches) merged into the same tree by calibrated
+path probability (`Cycle.merge`), verify every row's tree in one forward of the
 target (the trees go in as an additive mask and positions; no modeling file is patched: the
 stock transformers body, or on CPUs the Llama family's lean body, leanbody.py), accept per row,
 commit the accepted KV in place (kvcache.py). N = 1 (the root alone) is plain decoding through
@@ -31,6 +33,7 @@ from .accept import accept_greedy_batch, accept_sampling_keyed, position_uniform
 from .budget import TreePolicy
 from .kvcache import KVCache, num_cache_layers
 from .rowgemm import row_linears
+from .sources import DraftSources, pad_trees
 from .target import TargetRunner, capture_layer_inputs
 from .tree import (additive, batch_trees, causal_rows, chain_choices, choices_to_levels, context_and_tree, rerank_batch, row_tree,
                    static_choices, windowed)
@@ -113,9 +116,11 @@ class Cycle:
     device (`state`), and one host read per cycle. `head` None (or a one-node tree) is plain decoding."""
 
     def __init__(self, run: TargetRunner, head, tree: TreeSettings, batch: int, capacity: int, *, fixed: bool = False,
-                 backend: str | None = None):
+                 backend: str | None = None, sources: DraftSources | None = None):
         self.run, self.head, self.tree, self.batch, self.fixed = run, head, tree, batch, fixed
         self.k, self.depth = max(1, tree.top_k), max(1, tree.depth)
+        # the head-free draft sources (sources.py) run on the host: live mode's dynamic trees only
+        self.sources = sources if sources is not None and sources.head_free and not fixed and tree.shape == "dynamic" else None
         if head is None:
             self.n_max = 1
         elif tree.shape == "dynamic":
@@ -124,8 +129,11 @@ class Cycle:
             choices = chain_choices(self.depth) if tree.shape == "chain" else static_choices(tree.total_tokens, self.depth, self.k)
             self.levels = choices_to_levels(choices)
             self.n_max = len(choices) + 1
-        self.speculative = self.n_max > 1
-        self.width = self.depth + 1 if self.speculative else 1   # accepted path, root first: the absorb width
+        if self.sources is not None:  # head-free nodes fill the tree up to its size, past the head's pool
+            self.n_max = max(self.n_max, tree.total_tokens)
+        self.speculative = head is not None and self.n_max > 1   # the head drafts (else: sources alone, or plain)
+        # accepted path, root first: the absorb and commit width (a copied chain may run deeper than the head)
+        self.width = max(self.depth, self.sources.max_depth if self.sources is not None else 0) + 1 if self.n_max > 1 else 1
         self.margin = max(self.n_max, self.depth * self.k) + self.width + 8  # room past a sequence's end for one tree
         self.capacity = self._capacity(capacity)
         self.cache = KVCache(num_cache_layers(run.model.config), batch, self.capacity, static=fixed)
@@ -139,6 +147,11 @@ class Cycle:
         self.record_confidence = False
         self.counter = None       # opcount.OpCounter while counting
         self.absorb = 1           # live mode: the widest row of new pairs (accepted + 1, from the read-back)
+        self.merge_s = 0.0        # the last merge's host time (sources.py), not a head step
+        # merged cycles' evidence of what the head adds (budget.BudgetChooser.head_pays), kept across
+        # runs like the chooser's: a later run (a chat's next turn) drafts one cycle with the head,
+        # adding its evidence, and goes on without it where it has not paid
+        self.head_tally = {"cycles": 0, "tokens": 0.0, "ms": 0.0, "head_tokens": 0.0, "head_ms": 0.0}
         self.last: dict = {}
         self.seen: dict = {}
         self.backend = backend if fixed else None
@@ -182,8 +195,14 @@ class Cycle:
         if st.new_tokens.shape[1] != self.width:  # a run that went plain left one-token rows
             st.new_tokens = torch.zeros(self.batch, self.width, dtype=torch.long, device=self.run.device)
 
+    @property
+    def drafting(self) -> bool:
+        """Whether trees have more than the root: the head drafts, or head-free sources do."""
+        return self.speculative or self.sources is not None
+
     def stop_drafting(self) -> None:
-        """Plain decoding (the root alone) for the rest of this run: drafting was measured not to pay."""
+        """No head drafting for the rest of this run: it was measured not to pay. Head-free sources
+        cost no draft step and go on; the per-cycle budget still verifies only what pays."""
         self.speculative = False
 
     def ensure_capacity(self, need: int) -> None:
@@ -196,42 +215,81 @@ class Cycle:
             self.capacity = cap
 
     @torch.no_grad()
-    def admit(self, b: int, ids: list[int], slot: Slot, pick) -> int:
+    def admit(self, b: int, ids: list[int], slot: Slot, pick, kept=None, reuse: int = 0) -> int:
         """Prefill one prompt into row b, alone, and return its first token (`pick(logits)`). The
         head absorbs the prompt's pairs (f_t, x_{t+1}) here too, all but the last, which the next
-        cycle's draft absorbs with the other rows' new pairs at the fixed width."""
+        cycle's draft absorbs with the other rows' new pairs at the fixed width.
+
+        With `kept` (a prefix.Kept whose ids share at least `reuse` + 1 leading ids with `ids`, and
+        whose head holds at least `reuse` cells when drafting) the first `reuse` cells of both
+        caches are restored from it and only ids[reuse:] run: reuse < len(ids), so the first
+        token's logits and every head pair from `reuse` on come from a real forward."""
         dev, n, st = self.run.device, len(ids), self.state
+        r = reuse if kept is not None else 0
+        assert 0 <= r < n, (r, n)
         self.ensure_capacity(n + slot.stop.remaining + 1)
         x = torch.tensor(ids, dtype=torch.long, device=dev)
         pos = torch.arange(n, device=dev)
         c = self.cache
-        c.row, c.cells, c.view = b, pos, n
-        mask = self.run.masks(lambda w: windowed(causal_rows(pos[None], n), pos[None], pos[None], w))
+        if r:
+            self._restore(b, kept, r)
+        c.row, c.cells, c.view = b, pos[r:], n
+        mask = self.run.masks(lambda w: windowed(causal_rows(pos[None, r:], n), pos[None, r:], pos[None], w))
         try:
-            hidden, feats = self.run.body_forward(x[None], pos[None], mask, c, self.seen, self.layers)
+            hidden, feats = self.run.body_forward(x[None, r:], pos[None, r:], mask, c, self.seen, self.layers)
         finally:
             c.row = None
-        root = pick(self.run.logits(hidden[0, -1:]))
+        logits = self.run.logits(hidden[0, -1:])
+        if self.sources is not None:
+            self.sources.note_logits(x[-1:], logits)
+        root = pick(logits)
         if self.speculative:
             self._head_cache_ready()
-            feats = feats[0]
+            feats = feats[0]  # features of positions r .. n - 1
             if st.new_features is None:
                 st.new_features = torch.zeros(self.batch, self.width, feats.shape[-1], dtype=feats.dtype, device=dev)
-            if n > 1:  # pairs (f_t, x_{t+1}) sit at position t (the EAGLE convention)
+            if n - 1 > r:  # pairs (f_t, x_{t+1}) sit at position t (the EAGLE convention); those before r were restored
                 h = self.hcache
-                h.row, h.cells, h.view = b, pos[: n - 1], n - 1
+                h.row, h.cells, h.view = b, pos[r : n - 1], n - 1
                 try:
-                    bias = additive(causal_rows(pos[None, : n - 1], n - 1), self.head.fc.weight.dtype)
-                    self.head(x[None, 1:], self.head.project(feats[None, : n - 1]), pos[None, : n - 1], attention_mask=bias, cache=h)
+                    bias = additive(causal_rows(pos[None, r : n - 1], n - 1), self.head.fc.weight.dtype)
+                    self.head(x[None, r + 1 :], self.head.project(feats[None, : n - 1 - r]), pos[None, r : n - 1], attention_mask=bias,
+                              cache=h)
                 finally:
                     h.row = None
             st.new_tokens[b, 0] = root
             st.new_features[b, 0] = feats[-1]
             st.head_len[b], st.n_new[b] = n - 1, 1
+        elif self.hcache is not None:  # drafting stopped: this row's head cache holds nothing of its sequence
+            st.head_len[b] = 0
         st.seq_len[b], st.root[b], st.active[b] = n, root, True
         self.host_len[b] = n
         self.slots[b] = slot
         return root
+
+    def _restore(self, b: int, kept, length: int) -> None:
+        """Row b's first `length` cells of the target's cache, and of the head's when drafting, from a kept sequence."""
+        self.cache.put(b, kept.target, length)
+        if self.speculative:
+            if kept.head is None or kept.head_len < length:
+                raise ValueError(f"the kept sequence has {kept.head_len} head cells, {length} asked for")
+            self._head_cache_ready()
+            self.hcache.put(b, kept.head, length)
+
+    def kept_row(self, b: int, ids: list[int]):
+        """Row b's cells as a kept sequence (prefix.Kept) of `ids`, the row's prompt and emitted
+        tokens: as many as the target's cache holds (the last emitted token is the next root, not
+        yet in it; tokens cut by a stop were computed but are not kept). The head's cell t holds
+        (f_t, x_{t+1}), so it keeps at most len - 1 cells, and after drafting stopped only those it
+        had absorbed by then (admit zeroes a row's head length when it does not absorb)."""
+        from .prefix import Kept
+
+        length = min(self.host_len[b], len(ids))
+        head, head_len = None, 0
+        if self.hcache is not None and self.hcache.layers[0].is_initialized:
+            head_len = max(0, min(int(self.state.head_len[b]), length - 1))
+            head = self.hcache.take(b, head_len)
+        return Kept(tuple(ids[:length]), self.cache.take(b, length), head, head_len)
 
     def _head_cache_ready(self) -> None:
         """Allocate the head's cache at admission, never inside a capture: a one-token prompt has no
@@ -246,6 +304,8 @@ class Cycle:
     def release(self, b: int) -> Slot:
         slot, self.slots[b] = self.slots[b], None
         self.state.active[b] = False
+        if self.sources is not None:
+            self.sources.forget(self.slots)
         return slot
 
     def compact(self, keep: list[int]) -> None:
@@ -351,6 +411,8 @@ class Cycle:
             visible = torch.cat([visible.gather(1, parent[:, :, None].expand(-1, -1, m)), eye], 2)
             size += k * k
         pool_t, pool_p, pool_s = torch.cat(pool_t, 1), torch.cat(pool_p, 1), torch.cat(pool_s, 1)
+        if self.sources is not None:
+            return self.merge(pool_t, pool_p, pool_s, root)
         n = min(self.n_max, size + 1)
         if not self.tree.rerank:  # ablation: the expanded nodes themselves, shallowest first
             pick = torch.cat(expanded, 1)
@@ -361,6 +423,36 @@ class Cycle:
             # probabilities, section 3) per measured ms of this batch's verify and draft (budget.py)
             n = policy.size(pool_s, n)
         return rerank_batch(pool_t, pool_p, pool_s, root, n - 1, self.depth)
+
+    def merge(self, pool_t, pool_p, pool_s, root):
+        """One tree per row from every source's candidates (sources.py): the head's pool (None:
+        no head this cycle) and the head-free sources' children of any node, grown best-first by
+        calibrated path probability; the per-cycle budget then sizes it (section 3: expected
+        tokens per measured ms). Returns (tokens, parents, depth, ancestors, log scores), [B, N]."""
+        t0 = time.perf_counter()
+        src, policy, dev = self.sources, self.policy, root.device
+        head = None
+        if pool_t is not None:
+            raw = pool_s.exp()
+            cal = policy.calibrated(raw) if policy is not None else raw
+            head = (pool_t.tolist(), pool_p.tolist(), cal.tolist(), raw.tolist())
+        roots = root.tolist()
+        trees = [None if s is None else src.grow_row(s, roots[b], self.n_max, None if head is None else tuple(h[b] for h in head))
+                 for b, s in enumerate(self.slots)]
+        busy = [t for t in trees if t is not None]
+        m = max((len(t.tokens) for t in busy), default=1)
+        n = m
+        if policy is not None and m > 1:
+            probs = torch.zeros(len(busy), m - 1, dtype=torch.float64)
+            for j, t in enumerate(busy):
+                probs[j, : len(t.scores) - 1] = torch.tensor(t.scores[1:], dtype=torch.float64)
+            n = policy.size_of(probs)
+        src.last = trees
+        tokens, parents, scores = pad_trees(trees, n, dev, src.vocab)
+        tokens[:, 0] = root
+        depth, anc = batch_trees(parents, min(n - 1, self.width - 1))
+        self.merge_s = time.perf_counter() - t0
+        return tokens, parents, depth, anc, scores
 
     def _grow_static(self, hid, logp, ctx, view, root):
         """EAGLE-1's static tree, or a chain: the same sibling ranks below every root."""
@@ -408,7 +500,11 @@ class Cycle:
         checks (one product for all rows). Returns (argmax [B, N], features)."""
         hidden, feats = self.forward_tree(tokens, depth, anc, seq_len)
         b, n = tokens.shape
-        return self.run.logits(hidden.reshape(b * n, -1)).argmax(-1).view(b, n), feats
+        logits = self.run.logits(hidden.reshape(b * n, -1))
+        if self.sources is not None:  # live mode only (never captured): the recycling table learns every busy row
+            busy = self.state.active[:, None].expand(b, n).reshape(-1)
+            return self.sources.argmax_noted(tokens, logits, busy).view(b, n), feats
+        return logits.argmax(-1).view(b, n), feats
 
     def commit_fn(self, tokens, depth, path, accepted, bonus, feats, seq_len, root, n_new, new_features, active):
         """The accepted KV into place, per row, and each row's next state; idle rows stay where
@@ -418,7 +514,8 @@ class Cycle:
             self.cache.commit(seq_len[:, None] + path, seq_len[:, None] + torch.arange(w, device=path.device))
             col = torch.arange(w, device=path.device)[None]
             new_tokens = torch.where(col == accepted[:, None], bonus[:, None], torch.cat([tokens.gather(1, path[:, 1:]), bonus[:, None]], 1))
-            new_features = feats.gather(1, path[:, :, None].expand(-1, -1, feats.shape[-1])).to(new_features.dtype)
+            if new_features is not None and feats is not None:  # the head's pending pairs (none without a head)
+                new_features = feats.gather(1, path[:, :, None].expand(-1, -1, feats.shape[-1])).to(new_features.dtype)
             n_new = torch.where(active, accepted + 1, n_new)
         else:
             new_tokens = bonus[:, None]
@@ -430,7 +527,7 @@ class Cycle:
     def verify_fn(self, tokens, parents, depth, anc, seq_len, root, n_new, new_features, active):
         """Greedy verification with no host step: all rows through lm_head, accept, commit. Captured in fixed mode."""
         argmax, feats = self.tree_argmax(tokens, depth, anc, seq_len)
-        path, accepted, bonus = accept_greedy_batch(tokens, parents, depth, anc, argmax, self.width if self.speculative else 1)
+        path, accepted, bonus = accept_greedy_batch(tokens, parents, depth, anc, argmax, self.width if self.drafting else 1)
         return (path,) + self.commit_fn(tokens, depth, path, accepted, bonus, feats, seq_len, root, n_new, new_features, active)
 
     def _verify_host(self, tokens, parents, depth, anc, scores):
@@ -442,7 +539,7 @@ class Cycle:
         where extra rows are nearly free (measured: `one_product`) all rows go in one product."""
         hidden, feats = self.forward_tree(tokens, depth, anc, self.state.seq_len)
         b, n = tokens.shape
-        dev, w = tokens.device, (self.width if self.speculative else 1)
+        dev, w = tokens.device, (self.width if self.drafting else 1)
         two_pass = not self.one_product and n > 1
         internal = torch.zeros(b, n, dtype=torch.bool, device=dev)
         if n > 1:
@@ -452,7 +549,9 @@ class Cycle:
         argmax = torch.full((b, n), -1, dtype=torch.long, device=dev)
         idx = need.flatten().nonzero().flatten()
         if idx.numel():
-            argmax.view(-1)[idx] = self.run.logits(hidden.reshape(b * n, -1)[idx]).argmax(-1)
+            logits = self.run.logits(hidden.reshape(b * n, -1)[idx])
+            argmax.view(-1)[idx] = (self.sources.argmax_noted(tokens.reshape(-1)[idx], logits) if self.sources is not None
+                                    else logits.argmax(-1))
         sampled = {}
         for i, s in enumerate(self.slots):
             if s is None or not s.host_side:
@@ -485,6 +584,8 @@ class Cycle:
 
     def _scored(self, slot: Slot, hidden, tree, nodes):
         logits = self.run.logits(hidden)
+        if self.sources is not None and tree is not None:
+            self.sources.note_logits(tree.tokens if nodes is None else tree.tokens[nodes], logits)
         if slot.procs is not None and slot.procs.active:
             hist = torch.tensor(slot.prompt + slot.tokens[:-1], dtype=torch.long, device=hidden.device)  # every token before the root
             logits = slot.procs.tree_scores(logits, hist, tree, nodes)
@@ -522,9 +623,15 @@ class Cycle:
         tokens it produced, draft tokens accepted), before stop handling."""
         t0 = time.perf_counter()
         b, dev, st = self.batch, self.run.device, self.state
+        if self.sources is not None:
+            self.sources.last = []
         if self.speculative:
             tokens, parents, depth, anc, scores, st.head_len = self._call(
                 "draft", self._draft, st.new_tokens, st.new_features, st.head_len, st.n_new, st.root, st.active)
+        elif self.sources is not None:  # no head (or it stopped paying): the head-free sources alone
+            if self.policy is not None:
+                self.policy.begin(st.active, self.busy == b, steps=0)
+            tokens, parents, depth, anc, scores = self._call("draft", self.merge, None, None, None, st.root)
         else:
             tokens, scores = st.root[:, None], None
             parents = torch.full((b, 1), -1, dtype=torch.long, device=dev)
@@ -555,9 +662,33 @@ class Cycle:
             self.host_len[i] += a + 1
             s.summary.record_cycle(a, n, deepest, t1 - t0, t2 - t1)
             out.append((i, values[i][2 : 3 + a], a))
+        if self.sources is not None and self.sources.last:
+            busy = [i for i, s in enumerate(self.slots) if s is not None]
+            only_head = self.sources.observe(path.tolist(), [v[0] for v in values], busy, [self.slots[i].summary for i in busy])
+            if self.speculative:
+                h = self.head_tally
+                h["cycles"] += 1
+                h["tokens"] += sum(values[i][0] + 1 for i in busy)
+                h["ms"] += 1000 * (t2 - t0)
+                h["head_tokens"] += only_head
+                h["head_ms"] += 1000 * max(0.0, t1 - t0 - self.merge_s)
         if scores is not None and (self.policy is not None or self.record_confidence):
             self._observe(scores, path, [v[0] for v in values], t1 - t0, t2 - t1)
         return out
+
+    def _head_raw(self, busy: list[int], n: int):
+        """For a merged tree (sources.py): (the head's raw path probabilities [rows, n - 1], which
+        nodes the head proposed), or None where the tree was the head's alone."""
+        if self.sources is None or not self.sources.last:
+            return None
+        raw = torch.zeros(len(busy), n - 1, dtype=torch.float64)
+        mask = torch.zeros(len(busy), n - 1, dtype=torch.bool)
+        for j, i in enumerate(busy):
+            t = self.sources.last[i]
+            for node in range(1, min(n, len(t.tokens))):
+                if t.head_raw[node] is not None:
+                    raw[j, node - 1], mask[j, node - 1] = t.head_raw[node], True
+        return raw, mask
 
     def step_at_size(self, n: int) -> dict:
         """One cycle verifying trees of `n` nodes (1: the root alone, no draft), for timing each
@@ -579,7 +710,9 @@ class Cycle:
         on = torch.zeros(len(busy), scores.shape[1], dtype=torch.float, device=scores.device).scatter_(1, path[busy], 1.0)
         probs = scores[busy, 1:].exp()
         if self.policy is not None:
-            self.policy.observe(probs, on[:, 1:], draft_s, verify_s, sum(accepted[i] + 1 for i in busy))
+            head_raw = self._head_raw(busy, scores.shape[1])  # merged trees: the head's own calibration learns from its nodes only
+            self.policy.observe(probs if head_raw is None else head_raw[0], on[:, 1:], draft_s, verify_s,
+                                sum(accepted[i] + 1 for i in busy), None if head_raw is None else head_raw[1])
         if self.record_confidence:
             for j, i in enumerate(busy):
                 self.slots[i].summary.record_confidence(probs[j], on[j, 1:])

@@ -20,9 +20,11 @@ import torch
 from .accept import first_token, generation_seed
 from .budget import BudgetChooser, TreePolicy
 from .cycle import Cycle, Slot, bucket
+from .sources import DraftSources
 from .events import GenerationSettings, StepEvent, StopChecker, Summary, collect
 from .kvcache import KVCache, num_cache_layers
 from .measure import load_or_measure
+from .prefix import PrefixCache
 from .target import TargetRunner, model_eos_ids
 from .treesettings import TreeSettings
 
@@ -35,6 +37,7 @@ class Request:
     key: object            # the caller's handle (returned with the result)
     ids: list[int]         # the prompt, encoded
     gen: object            # GenerationSettings
+    keep: bool = False     # when it ends, keep its KV for a request that continues it (the engine's prefix cache)
 
 
 def new_slot(key, gen, stop, summary, model=None, prompt=(), eos=()) -> Slot:
@@ -65,23 +68,36 @@ class Engine:
     its torch.compile backend ("inductor", "aot_eager", "cuda-graphs"); else live mode."""
 
     def __init__(self, model, head, tokenizer=None, tree: TreeSettings | None = None, costs=None, *, batch: int = 1,
-                 record_confidence: bool = False, graph: bool = False, compile: str | None = None, batch_costs=None):
+                 record_confidence: bool = False, graph: bool = False, compile: str | None = None, batch_costs=None,
+                 prefix_cache: PrefixCache | None = None, sources: tuple[str, ...] | None = None):
         self.runner = run = TargetRunner(model)
+        # kept sequences (prefix.py): every admit looks its prompt up there; None = every prompt prefilled whole
+        self.prefix = prefix_cache
+        # a prompt longer than this many new tokens, arriving while other rows decode, is prefilled
+        # a chunk per cycle (a server sets it; None: whole, the fastest for it alone)
+        self.prefill_chunk: int | None = None
+        self._chunks: PrefixCache | None = None
         self.head, self.tokenizer, self.batch = head, tokenizer, max(1, batch)
         self.tree = tree or TreeSettings.for_device(run.device, run.dtype)
         self.tree.validate()
         self.graph = graph or compile is not None
         self.compile = compile
         self.record_confidence = record_confidence
-        if costs is None and run.device.type == "cpu" and head is not None:
+        # the head-free draft sources (sources.py): host-side, so live mode's dynamic trees only; one
+        # object for the engine's life, so its recycling table keeps learning across runs and turns
+        names = tuple(s for s in (sources or ()) if s != "head")
+        live = not self.graph and self.tree.shape == "dynamic"
+        self.sources = DraftSources(names, model.get_output_embeddings().weight.shape[0]) if names and live else None
+        drafts = head is not None or self.sources is not None
+        if costs is None and run.device.type == "cpu" and drafts:
             costs = load_or_measure(model, head)  # cached per machine, model, dtype and threads
         self.costs = costs
         # Greedy acceptance's lm_head plan, from this machine's measured costs: every tree row in
         # one product where that costs no more than internal rows first (a GPU; cheap rows).
-        rows = self.batch * (self.tree.total_tokens if head is not None else 1)
+        rows = self.batch * (self.tree.total_tokens if drafts else 1)
         self.one_product = self.graph or run.device.type != "cpu" or costs is None or costs.rows_are_cheap(rows)
         self.chooser = None  # the per-cycle budget, kept across runs: a chat's later turns use what earlier ones measured
-        if head is not None and not self.graph and self.tree.budget == "auto" and self.tree.shape == "dynamic":
+        if drafts and not self.graph and self.tree.budget == "auto" and self.tree.shape == "dynamic":
             if costs is None:
                 raise ValueError("budget='auto' needs measured costs (measure.load_or_measure)")
             k = self.tree.top_k
@@ -91,6 +107,8 @@ class Engine:
         self.eos_ids = None
         self.counter = None
         self.stats = {"cycles": 0, "plain_from_cycle": None, "tree_sizes": {}}
+        self.heartbeat = 0.0  # time.time() of the last completed cycle (a server's /health reads it)
+        self.drafting_paid = True  # False once a run stopped drafting, until a run keeps drafting to its end
 
     @property
     def capture_failure(self):
@@ -98,15 +116,22 @@ class Engine:
 
     def label(self) -> str:
         """What each cycle verifies, in a few words ("trees of up to 6 nodes (chosen per cycle)")."""
-        if self.head is None:
+        if self.head is None and self.sources is None:
             return "plain decoding"
         n = self.tree.total_tokens
-        return f"trees of up to {n} nodes (chosen per cycle)" if self.chooser is not None else f"{self.tree.shape} trees of {n} nodes"
+        what = f"trees of up to {n} nodes (chosen per cycle)" if self.chooser is not None else f"{self.tree.shape} trees of {n} nodes"
+        return f"{what} from {self.source_label()}"
+
+    def source_label(self) -> str:
+        """Which draft sources feed the trees ("head + recycle + match")."""
+        names = (["head"] if self.head is not None else []) + list(self.sources.active if self.sources is not None else ())
+        return " + ".join(names) or "none"
 
     def _cycle_for(self, capacity: int) -> Cycle:
         c = self.cycle
         if c is None:
-            c = self.cycle = Cycle(self.runner, self.head, self.tree, self.batch, capacity, fixed=self.graph, backend=self.compile)
+            c = self.cycle = Cycle(self.runner, self.head, self.tree, self.batch, capacity, fixed=self.graph, backend=self.compile,
+                                   sources=self.sources)
         elif c.batch < self.batch:
             c.widen(self.batch)  # the same cycle, so its captured functions serve this run too
         c.ensure_capacity(capacity)
@@ -117,9 +142,12 @@ class Engine:
             self.chooser.start_run(c.batch)
         return c
 
-    def _run(self, queue) -> Iterator[tuple[object, object, list[int] | None]]:
+    def _run(self, queue, poll=None) -> Iterator[tuple[object, object, list[int] | None]]:
         """Decode every request of `queue` (a deque the caller may extend meanwhile). Yields
-        (key, StepEvent, None) as tokens come and (key, Summary, tokens) as each request ends."""
+        (key, StepEvent, None) as tokens come and (key, Summary, tokens) as each request ends.
+        `poll(queue)`, if given, runs before every admission round and cycle (a server's engine
+        thread: it moves new requests into `queue`) and returns the keys to cancel now: queued
+        ones are dropped, running ones end at once ("cancelled") and free their rows."""
         run = self.runner
         if self.eos_ids is None:
             self.eos_ids = model_eos_ids(run.model, self.tokenizer)  # once: a tokenizer's vocabulary is slow to read
@@ -127,53 +155,162 @@ class Engine:
         # first admit doubles every K/V buffer: 4 s of a 27 s prompt-file run at batch 32)
         longest = max((len(r.ids) + r.gen.max_new_tokens + 1 for r in queue), default=64)
         cycle = self._cycle_for(min(run.max_positions, longest))
+        keeps: set[int] = set()  # id() of the slots whose request asked to be kept
+        # id() of a request whose prompt is being prefilled in chunks -> [seconds so far, tokens its
+        # first lookup restored, when it was first admitted, chunks run]
+        chunked: dict[int, list] = {}
+
+        def keep(b: int) -> None:
+            s = cycle.slots[b]
+            if self.prefix is not None and id(s) in keeps:
+                keeps.discard(id(s))
+                self.prefix.add(cycle.kept_row(b, s.prompt + s.tokens))
 
         def finish(b: int):
+            keep(b)
             s = cycle.release(b)
             s.summary.finish(s.stop, time.perf_counter() - s.started)
             return s.key, s.summary, s.tokens
 
         with cycle.session():
-            while queue or cycle.busy:
-                for b in cycle.free:
-                    if not queue:
+            try:
+                while True:
+                    if poll is not None:
+                        cancel = set(poll(queue))
+                        if cancel:
+                            yield from self._cancel(cycle, queue, cancel, finish)
+                    if not (queue or cycle.busy):
                         break
-                    req = queue.popleft()
-                    eos = set(req.gen.eos_token_ids) if req.gen.eos_token_ids is not None else self.eos_ids
-                    stop = StopChecker(req.gen, self.tokenizer, eos, run.max_positions, len(req.ids))
-                    summary = Summary(prompt_tokens=len(req.ids))
-                    slot = new_slot(req.key, req.gen, stop, summary, run.model, req.ids, eos)
-                    if stop.done:  # no room at all: nothing to generate
-                        summary.finish(stop, 0.0)
-                        yield req.key, summary, []
+                    if queue and not cycle.free and cycle.batch < self.batch:
+                        self._widen(cycle)  # requests joined a run whose idle rows were dropped (a server's)
+                    deferred = []  # long prompts with a chunk prefilled this round: the rest after the next cycle
+                    for b in cycle.free:
+                        if not queue:
+                            break
+                        req = queue.popleft()
+                        eos = set(req.gen.eos_token_ids) if req.gen.eos_token_ids is not None else self.eos_ids
+                        stop = StopChecker(req.gen, self.tokenizer, eos, run.max_positions, len(req.ids))
+                        summary = Summary(prompt_tokens=len(req.ids))
+                        slot = new_slot(req.key, req.gen, stop, summary, run.model, req.ids, eos)
+                        if stop.done:  # no room at all: nothing to generate
+                            summary.finish(stop, 0.0)
+                            yield req.key, summary, []
+                            continue
+                        t0 = time.perf_counter()
+                        part = chunked.get(id(req))
+                        store = self.prefix if self.prefix is not None or part is None else self._chunk_store()
+                        kept, reuse = self._reusable(cycle, req.ids, store, record=part is None)
+                        if part is None:
+                            part = [0.0, reuse, t0, 0]
+                        if self.prefill_chunk and cycle.busy and len(req.ids) - reuse > self.prefill_chunk:
+                            # A long prompt beside decoding rows: one chunk now, kept as a sequence of
+                            # its own, and the rest after the next cycle, so the other rows' streams
+                            # stall for a chunk's prefill at a time, not the whole prompt's.
+                            end = reuse + self.prefill_chunk
+                            cycle.admit(b, req.ids[:end], slot, lambda logits: 0, kept, reuse)  # its first token is not used
+                            (self.prefix if self.prefix is not None else self._chunk_store()).add(cycle.kept_row(b, req.ids[:end]))
+                            cycle.release(b)
+                            part[0] += time.perf_counter() - t0
+                            part[3] += 1
+                            chunked[id(req)] = part
+                            deferred.append(req)
+                            continue
+                        root = cycle.admit(b, req.ids, slot, pick_fn(slot), kept, reuse)
+                        if chunked.pop(id(req), None) is not None and self.prefix is None:
+                            self._chunks.discard(req.ids)  # its chunks served their purpose
+                        slot.started = part[2]
+                        if req.keep:
+                            keeps.add(id(slot))
+                        summary.target_forwards, summary.prefill_s = 1 + part[3], part[0] + time.perf_counter() - t0
+                        summary.cached_tokens = reuse = part[1]
+                        emitted = stop.push([root])
+                        slot.tokens.extend(emitted)
+                        yield req.key, StepEvent(emitted, accepted=0, tree_size=1, draft_s=0.0, verify_s=summary.prefill_s,
+                                                 cached_tokens=reuse), None
+                        if stop.done:
+                            yield finish(b)
+                    queue.extendleft(reversed(deferred))
+                    if not cycle.busy:
                         continue
-                    t0 = time.perf_counter()
-                    root = cycle.admit(b, req.ids, slot, pick_fn(slot))
-                    summary.target_forwards, summary.prefill_s = 1, time.perf_counter() - t0
-                    emitted = stop.push([root])
-                    slot.tokens.extend(emitted)
-                    yield req.key, StepEvent(emitted, accepted=0, tree_size=1, draft_s=0.0, verify_s=summary.prefill_s), None
-                    if stop.done:
-                        yield finish(b)
-                if not cycle.busy:
-                    continue
-                if not queue and cycle.batch > 1 and cycle.busy <= cycle.batch // 2:
-                    self._compact(cycle)
-                rows = cycle.step()
-                self.stats["cycles"] += 1
-                n = cycle.last["tree"]
-                self.stats["tree_sizes"][n] = self.stats["tree_sizes"].get(n, 0) + 1
-                if self.chooser is not None and cycle.speculative and not self.chooser.drafting_pays:
-                    cycle.stop_drafting()  # measured: drafting does not pay here (a useless head costs little)
-                    self.stats["plain_from_cycle"] = self.stats["cycles"]
-                for b, toks, accepted in rows:
-                    s = cycle.slots[b]
-                    emitted = s.stop.push(toks)
-                    s.tokens.extend(emitted)
-                    yield s.key, StepEvent(emitted, accepted=accepted, tree_size=n, draft_s=cycle.last["draft_s"],
-                                           verify_s=cycle.last["verify_s"]), None
-                    if s.stop.done:
-                        yield finish(b)
+                    if not queue and cycle.batch > 1 and cycle.busy <= cycle.batch // 2:
+                        self._compact(cycle)
+                    rows = cycle.step()
+                    self.stats["cycles"] += 1
+                    self.heartbeat = time.time()
+                    n = cycle.last["tree"]
+                    self.stats["tree_sizes"][n] = self.stats["tree_sizes"].get(n, 0) + 1
+                    if self.chooser is not None and cycle.speculative and not (
+                            self.chooser.drafting_pays and self.chooser.head_pays(cycle.head_tally)):
+                        # measured: drafting does not pay here (a useless head costs little), or the
+                        # head does not pay beside the head-free sources, which go on (sources.py)
+                        cycle.stop_drafting()
+                        self.stats["plain_from_cycle"] = self.stats["cycles"]
+                        self.drafting_paid = False
+                    for b, toks, accepted in rows:
+                        s = cycle.slots[b]
+                        emitted = s.stop.push(toks)
+                        s.tokens.extend(emitted)
+                        yield s.key, StepEvent(emitted, accepted=accepted, tree_size=n, draft_s=cycle.last["draft_s"],
+                                               verify_s=cycle.last["verify_s"]), None
+                        if s.stop.done:
+                            yield finish(b)
+                if cycle.speculative:
+                    self.drafting_paid = True
+            except GeneratorExit:
+                # closed between events (a chat's Ctrl-C): every row is consistent here, so the
+                # requests that asked to be kept keep what they emitted, with its cache
+                for b, s in enumerate(cycle.slots):
+                    if s is not None:
+                        keep(b)
+                raise
+
+    def _chunk_store(self) -> PrefixCache:
+        """Where a long prompt's chunks wait between cycles when no prefix cache is kept."""
+        if self._chunks is None:
+            self._chunks = PrefixCache()
+        return self._chunks
+
+    def _reusable(self, cycle: Cycle, ids: list[int], store: PrefixCache | None = None, record: bool = True):
+        """(kept sequence, cells to restore) for a prompt: the longest common prefix L of token ids
+        with a kept sequence, less one (the first token's logits must come from a forward), and
+        no more than the head kept when drafting (its cell t pairs f_t with x_{t+1}, so it lags
+        the target; a head cell never computed would not change the text, only what is drafted)."""
+        if store is None:
+            return None, 0
+        kept, common = store.lookup(ids)
+        if kept is None:
+            return None, 0
+        reuse = min(common, len(ids)) - 1
+        head = kept.head_len if kept.head is not None else 0
+        if cycle.speculative and head < reuse - cycle.width and not self.drafting_paid and not cycle.busy:
+            # The kept head lags its target cells: it stopped absorbing when the last run measured
+            # that drafting does not pay (stop_drafting). Catching it up would prefill again what
+            # is kept, so this run starts plain, as that run went on after `patience` cycles.
+            cycle.stop_drafting()
+            self.stats["plain_from_cycle"] = self.stats["cycles"]
+        elif cycle.speculative:
+            reuse = min(reuse, head)
+        reuse = max(0, reuse)
+        if record:
+            store.record_hit(reuse)
+        return (kept, reuse) if reuse > 0 else (None, 0)
+
+    def _cancel(self, cycle: Cycle, queue, keys: set, finish):
+        """End the requests `keys` now: queued ones leave the queue, running ones free their rows."""
+        for req in [r for r in queue if r.key in keys]:
+            queue.remove(req)
+            summary = Summary(prompt_tokens=len(req.ids), finish_reason="cancelled")
+            yield req.key, summary, []
+        for b, s in enumerate(cycle.slots):
+            if s is not None and s.key in keys:
+                s.stop.reason = "cancelled"
+                yield finish(b)
+
+    def _widen(self, cycle: Cycle) -> None:
+        """Back to the engine's batch mid-run: `_compact` dropped idle rows, and new requests came."""
+        cycle.widen(self.batch)
+        if self.chooser is not None:
+            self.chooser.batch = cycle.batch
 
     def _compact(self, cycle: Cycle) -> None:
         """Drop idle rows once no prompt waits for them: every row costs a row of every product.
@@ -196,11 +333,18 @@ class Engine:
                 on_done(key, tokens, ev)
 
     @torch.no_grad()
-    def stream(self, prompt_ids, gen: GenerationSettings | None = None) -> Iterator[StepEvent | Summary]:
-        """One request: a StepEvent per cycle (the first is the prefill's token), then the Summary."""
+    def stream(self, prompt_ids, gen: GenerationSettings | None = None, keep: bool = False) -> Iterator[StepEvent | Summary]:
+        """One request: a StepEvent per cycle (the first is the prefill's token), then the Summary.
+        `keep`: its KV stays in the prefix cache for a request that continues it (a chat's next turn)."""
         ids = torch.as_tensor(prompt_ids).view(-1).tolist()
-        for _, ev, _ in self._run(deque([Request(0, ids, gen or GenerationSettings())])):
+        for _, ev, _ in self._run(deque([Request(0, ids, gen or GenerationSettings(), keep)])):
             yield ev
 
-    def generate(self, prompt_ids, gen: GenerationSettings | None = None) -> tuple[list[int], Summary]:
-        return collect(self.stream(prompt_ids, gen))
+    def generate(self, prompt_ids, gen: GenerationSettings | None = None, keep: bool = False) -> tuple[list[int], Summary]:
+        return collect(self.stream(prompt_ids, gen, keep))
+
+    @torch.no_grad()
+    def serve(self, queue, poll) -> Iterator[tuple[object, object, list[int] | None]]:
+        """`_run` for a long-lived caller (a server's engine thread): requests join `queue` through
+        `poll` between cycles and leave as they end or are cancelled; returns once none is left."""
+        yield from self._run(queue, poll)

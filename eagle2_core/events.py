@@ -36,6 +36,7 @@ class StepEvent:
     tree_size: int                  # nodes verified, root included
     draft_s: float
     verify_s: float
+    cached_tokens: int = 0          # the prefill's event only: prompt tokens restored from a kept sequence
 
 
 @dataclass
@@ -52,10 +53,39 @@ class Summary:
     prefill_s: float = 0.0
     wall_s: float = 0.0
     finish_reason: str = ""
+    cached_tokens: int = 0          # prompt tokens restored from a kept sequence (prefix.py), not prefilled
     # Calibration (EAGLE-2 section 3): drafted nodes binned by path probability, and how many of
     # each bin were on the accepted path: a [3, CONFIDENCE_BINS] tensor (nodes, accepted, confidence
     # sum; budget.bin_counts) on the tree's device, read only when reported.
     confidence_counts: Any = None        # torch is imported only where used
+    # Per draft source (sources.py): nodes verified, accepted, and the calibration of its
+    # conditionals (children of accepted parents) by bin of the predicted conditional.
+    source_counts: dict = field(default_factory=dict)
+
+    def record_source(self, source: str, accepted: bool, predicted: float | None) -> None:
+        """One verified node a source proposed; `predicted`: its conditional where its parent was accepted."""
+        c = self.source_counts.get(source)
+        if c is None:
+            c = self.source_counts[source] = {"nodes": 0, "accepted": 0, "cal": [[0, 0, 0.0] for _ in range(CONFIDENCE_BINS)]}
+        c["nodes"] += 1
+        c["accepted"] += int(accepted)
+        if predicted is not None:
+            cell = c["cal"][min(CONFIDENCE_BINS - 1, max(0, int(predicted * CONFIDENCE_BINS)))]
+            cell[0] += 1
+            cell[1] += int(accepted)
+            cell[2] += predicted
+
+    def source_table(self) -> dict:
+        """Per source: nodes verified, accepted, share of the output (a token two sources proposed
+        counts for both), and the calibration gap of its conditionals (node-weighted |predicted - accepted|)."""
+        out = {}
+        for name, c in sorted(self.source_counts.items()):
+            n = sum(cell[0] for cell in c["cal"])
+            gap = sum(abs(cell[2] - cell[1]) for cell in c["cal"]) / n if n else None
+            out[name] = {"nodes": c["nodes"], "accepted": c["accepted"],
+                         "share": round(c["accepted"] / self.new_tokens, 4) if self.new_tokens else 0.0,
+                         "calibration_gap": None if gap is None else round(gap, 4)}
+        return out
 
     def record_confidence(self, path_probs, on_path) -> None:
         """One cycle's drafted nodes: their path probabilities and which were on the accepted path."""
@@ -130,23 +160,31 @@ class Summary:
         return acc / self.depth_sum if self.depth_sum else 0.0
 
     def merge(self, other: "Summary") -> None:
-        for name in ("prompt_tokens", "new_tokens", "target_forwards", "cycles", "tree_tokens", "depth_sum", "draft_s", "verify_s", "prefill_s", "wall_s"):
+        for name in ("prompt_tokens", "cached_tokens", "new_tokens", "target_forwards", "cycles", "tree_tokens", "depth_sum", "draft_s", "verify_s", "prefill_s", "wall_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for i, n in enumerate(other.accepted_hist):
             while len(self.accepted_hist) <= i:
                 self.accepted_hist.append(0)
             self.accepted_hist[i] += n
+        for name, c in other.source_counts.items():
+            mine = self.source_counts.setdefault(name, {"nodes": 0, "accepted": 0, "cal": [[0, 0, 0.0] for _ in range(CONFIDENCE_BINS)]})
+            mine["nodes"] += c["nodes"]
+            mine["accepted"] += c["accepted"]
+            for a, b in zip(mine["cal"], c["cal"]):
+                for j in range(3):
+                    a[j] += b[j]
         if other.confidence_counts is not None:
             self.confidence_counts = other.confidence_counts.clone() if self.confidence_counts is None else self.confidence_counts + other.confidence_counts.to(self.confidence_counts.device)
 
     def to_dict(self) -> dict:
         return {
-            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
+            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens, "new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
             "verify_steps": self.cycles, "tau": round(self.tau, 4), "acceptance_by_depth": [round(a, 4) for a in self.acceptance_by_depth],
             "accepted_per_cycle": round(self.accepted_per_cycle, 4), "acceptance_rate": round(self.acceptance_rate, 4), "accepted_hist": self.accepted_hist,
             "mean_tree_size": round(self.mean_tree_size, 2),
             "draft_s": round(self.draft_s, 4), "verify_s": round(self.verify_s, 4), "prefill_s": round(self.prefill_s, 4),
             "wall_time": round(self.wall_s, 4), "tokens_per_s": round(self.tokens_per_s, 3), "finish_reason": self.finish_reason,
+            **({"sources": self.source_table()} if self.source_counts else {}),
         }
 
 

@@ -86,7 +86,11 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
         # lm_head alone, as acceptance applies it (the product plan's kernel)
         hid = torch.randn(max(LM_HEAD_ROWS), text_config(model.config).hidden_size, device=dev, dtype=run.dtype)
         lm_head = _timed({n: (lambda n=n: run.logits(hid[:n]).argmax(-1)) for n in LM_HEAD_ROWS}, reps)
-        # One draft step over k nodes, with the prompt in the head's own cache.
+        # One draft step over k nodes, with the prompt in the head's own cache (none without a head:
+        # head-free sources draft on the host, and the chooser learns that time from real cycles).
+        if head is None:
+            return CostProfile(key=profile_key(model, head), verify_ms=verify, draft_ms={}, lm_head_ms=lm_head, products=products,
+                               stream_floor_ms=floor_ms, weight_bytes=weight_bytes)
         front = torch.zeros(1, max(draft_rows), head.spec.hidden_size, device=dev, dtype=head.fc.weight.dtype)
 
         def draft_fn(k):
@@ -110,6 +114,7 @@ def measure_products(weights: list[torch.Tensor], rows=PRODUCT_ROWS, reps: int =
     oneDNN's packed linear exists. Empty on GPUs."""
     groups: dict[str, list[torch.Tensor]] = {}
     blocks: dict[str, list] = {}  # the same weights' GGUF blocks, where they have them (a detached tensor has none)
+    floatless: set[str] = set()  # shapes whose weights are held as blocks only
     for w in weights:
         if rowgemm.eligible(w):
             key = rowgemm.shape_key(w)
@@ -117,12 +122,21 @@ def measure_products(weights: list[torch.Tensor], rows=PRODUCT_ROWS, reps: int =
             if sum(x.numel() * x.element_size() for x in group) < SAMPLE_BYTES:
                 group.append(w.detach())
                 blocks.setdefault(key, []).append(rowgemm.blocks_of(w))
+                if rowgemm.floatless(w):
+                    floatless.add(key)
     g = torch.Generator().manual_seed(0)
     out = {}
     with torch.no_grad():
         for key, ws in groups.items():
             x = torch.randn(max(rows), ws[0].shape[1], generator=g).to(ws[0].dtype)
             fns = {}
+            if key in floatless:  # held as blocks only: the block kernel is the one choice (timed for the table)
+                block = rowgemm.native.module().block_linear
+                for n in rows:
+                    fns[(n, "block")] = lambda n=n, bws=blocks[key]: [block(x[:n], b.blocks, b.qtype) for b in bws]
+                ms = _timed(fns, reps)
+                out[key] = {n: {k: t for (m, k), t in ms.items() if m == n} for n in rows}
+                continue
             for n in rows:
                 fns[(n, "linear")] = lambda n=n, ws=ws: [F.linear(x[:n], w) for w in ws]
                 fns[(n, "transposed")] = lambda n=n, ws=ws: [rowgemm.transposed_product(x[:n], w) for w in ws]
@@ -150,7 +164,8 @@ def stream_reader(model):
     streaming read. A verify cannot beat it; how close verify gets is what the kernels are worth.
     The function is None off the CPU."""
     ps = {id(p): p for p in model.parameters()}
-    ws = [p.detach() for p in ps.values() if p.is_floating_point()]
+    # a weight held as blocks only (rowgemm.make_floatless) is read as its blocks: its resident bytes
+    ws = [rowgemm.blocks_of(p).blocks if rowgemm.floatless(p) else p.detach() for p in ps.values() if p.is_floating_point()]
     nbytes = sum(w.numel() * w.element_size() for w in ws)
     if not ws or ws[0].device.type != "cpu":
         return None, nbytes

@@ -7,7 +7,8 @@ import dataclasses
 import re
 
 Decoder = object  # anything with .generate(prompt_ids, GenerationSettings) -> (tokens, Summary)
-BASELINES = ("pld", "sps", "static", "chain", "auto", "graph", "compiled", "generate-compiled")  # plus tree:N/D/K, auto:N/D/K, batch:B[xN]
+BASELINES = ("pld", "sps", "static", "chain", "auto", "graph", "compiled", "generate-compiled",
+             "plain-float32")  # plus tree:N/D/K, auto:N/D/K, batch:B[xN]
 RENAMED = {"fixed": "graph"}  # old method names, still accepted with a notice
 PLD_TOKENS = 10
 
@@ -55,6 +56,8 @@ def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=Non
             methods[name] = (runtime.eagle(constant_tree, record_confidence=True, compile=True), True)
         elif name == "generate-compiled":  # HF generate with a static cache and torch.compile
             methods[name] = (runtime.vanilla(compiled=True), False)
+        elif name == "plain-float32":  # eagle2's plain decoding over float32 weights beside the blocks (issue 41)
+            methods[name] = (FloatWeights(BatchedEagle(runtime, 1, 1)), False)
         elif name in ("static", "chain"):
             methods[name] = (runtime.eagle(dataclasses.replace(constant_tree, shape=name), record_confidence=True), True)
         elif name == "auto":  # the per-cycle budget as `--total-tokens auto` sets it up
@@ -64,11 +67,31 @@ def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=Non
                                        budget="auto" if name.startswith("auto:") else "constant")
             tree.validate()
             methods[name] = (runtime.eagle(tree, record_confidence=True), True)
+        elif name.startswith("sources:"):  # the same engine drafting from other sources (sources.py): sources:head, sources:recycle+match
+            from .sources import parse_sources
+
+            methods[name] = (runtime.eagle(record_confidence=True, sources=parse_sources(name[8:].replace("+", ","),
+                                                                                         runtime.head is not None)), True)
         elif (bspec := parse_batch_spec(name)) is not None:  # eagle2 batched: batch:auto, batch:B, batch:BxN (N = 1: plain)
             methods[name] = (BatchedEagle(runtime, *bspec), True)
         else:
-            raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}, tree:N/D/K, auto:N/D/K or batch:B[xN]")
+            raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}, tree:N/D/K, auto:N/D/K, batch:B[xN] "
+                             "or sources:A+B")
     return methods
+
+
+class FloatWeights:
+    """A decoder run with the target's float32 weights back where it holds blocks only, on the
+    float32 stream kernel (rowgemm.float32_weights); the rebuilding is outside its timing."""
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+
+    def generate(self, prompt_ids, gen):
+        from .rowgemm import float32_weights
+
+        with float32_weights():
+            return self.decoder.generate(prompt_ids, gen)
 
 
 def share_wall(summaries: list, wall: float) -> None:

@@ -18,12 +18,14 @@ from .head import DraftHead, HeadSpec
 from .loading import LoadedTarget, LoadError, default_head_for, load_draft_head, load_target
 from .measure import load_or_measure, load_or_measure_batch
 from .prompts import encode_chat
+from .sources import parse_sources
 from .sampling import generation_description, generation_label, settings_from_model
 from .target import context_length
 from .treesettings import BATCH_DEPTH, BATCH_TOP_K, TreeSettings, auto_max, device_trees
 from .vanilla import VanillaDecoder
 
 RANDOM_HEAD = "random"
+NO_HEAD = "none"  # `--draft none`: the head-free draft sources alone (sources.py)
 
 
 def supports_graph(tree: TreeSettings) -> bool:
@@ -71,8 +73,11 @@ def random_head(target: LoadedTarget, seed: int = 0) -> DraftHead:
     return head.bind(target.model)
 
 
-def load_head(draft: str | None, target: LoadedTarget) -> DraftHead:
-    """`--draft` semantics: None = shipped/registry default, "random" = untrained, else folder or hub id."""
+def load_head(draft: str | None, target: LoadedTarget) -> DraftHead | None:
+    """`--draft` semantics: None = shipped/registry default (None where no head is known: the
+    head-free sources draft alone), "none" = no head, "random" = untrained, else folder or hub id."""
+    if draft == NO_HEAD or (draft is None and default_head_for(target.name) is None):
+        return None
     if draft == RANDOM_HEAD:
         return random_head(target)
     try:
@@ -99,6 +104,10 @@ class Runtime:
     auto_tree: TreeSettings | None = None  # the per-cycle budget's settings (`--total-tokens auto`, `compare --against auto`)
     constant_tree: TreeSettings | None = None  # the tree with a constant budget (`--total-tokens N`; graph mode, tree:N/D/K sweeps)
     notices: list[str] = field(default_factory=list)  # what was asked for and is not done, one line each, for the CLI to show
+    sources: tuple = ()  # the draft sources every decoder runs (sources.py): "head", "recycle", "match"
+    # kept sequences (prefix.py), shared by every decoder of this runtime: KV depends on the model
+    # and head only, not on the tree or the generation settings. None: every prompt prefilled whole
+    prefix_cache: object = field(default=None, repr=False)
 
     @classmethod
     def load(cls, model: str | None = None, draft: str | None = None, *, dtype: str = "auto", device: str = "auto",
@@ -106,7 +115,7 @@ class Runtime:
              trust_remote_code: bool = False, tree: dict | None = None, gen: GenerationSettings | None = None,
              system_prompt: str | None = None, chat_template: str | None = None, need_head: bool = True,
              compile: bool | None = None, gen_overrides: dict | None = None, use_generation_config: bool = True,
-             sample_by_default: bool = True) -> "Runtime":
+             sample_by_default: bool = True, draft_sources: str | None = None) -> "Runtime":
         """`gen` is used as given; without it the settings come from the model's generation_config
         with `gen_overrides` (the user's flags, None = not given) on top (sampling.settings_from_model)."""
         try:  # a bad EAGLE2_KERNEL is said before anything loads
@@ -121,10 +130,16 @@ class Runtime:
                                       sample_by_default=sample_by_default)
         generation_description(gen, model_gen)  # a field eagle2 cannot apply exactly is refused now, in one line
         head = load_head(draft, target) if need_head else None
+        try:
+            sources = parse_sources(draft_sources, head is not None) if need_head else ()
+        except ValueError as e:
+            raise LoadError(str(e)) from None
+        if head is not None and "head" not in sources:
+            head = None  # pinned to head-free sources
         out = target.model.get_output_embeddings().weight
         tree = dict(tree or {})
         costs = None
-        if out.device.type == "cpu" and head is not None:
+        if out.device.type == "cpu" and (head is not None or sources):
             # measured once per machine, model, dtype and threads, then cached: the default tree of a
             # half-precision target and greedy acceptance's lm_head plan follow it
             costs = load_or_measure(target.model, head)
@@ -133,10 +148,13 @@ class Runtime:
         except ValueError as e:
             raise LoadError(str(e)) from None
         backend, graph = capture_choice(out.device, settings, compile)
-        notices = [uncaptured_notice(settings)] if compile and not supports_graph(settings) else []
+        notices = ([uncaptured_notice(settings)] if compile and not supports_graph(settings) else []) + list(target.notes or [])
+        if need_head and draft is None and head is None and sources:
+            notices.append(f"no draft head known for {target.name}: drafting from the head-free sources ({' + '.join(sources)}); "
+                           "output is the same, `eagle2 train` makes a head")
         return cls(target, head, settings, gen, system_prompt, chat_template,
-                   draft_name=draft or default_head_for(target.name) or "", costs=costs, compile=backend, graph=graph, auto_tree=auto,
-                   constant_tree=constant_tree, notices=notices)
+                   draft_name=("none" if head is None and need_head else draft or default_head_for(target.name) or ""), costs=costs,
+                   compile=backend, graph=graph, auto_tree=auto, constant_tree=constant_tree, notices=notices, sources=sources)
 
     @property
     def auto_max(self) -> int:
@@ -184,9 +202,9 @@ class Runtime:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def eagle(self, tree: TreeSettings | None = None, record_confidence: bool = False, compile: bool | None = None,
-              graph: bool | None = None) -> Engine:
-        """A decoder with this runtime's settings; `tree`, `compile` and `graph` override them."""
-        if self.head is None:
+              graph: bool | None = None, sources: tuple | None = None) -> Engine:
+        """A decoder with this runtime's settings; `tree`, `compile`, `graph` and the draft `sources` override them."""
+        if self.head is None and not self.sources:
             raise LoadError("no draft head loaded")
         tree = tree or self.tree
         if compile is None:
@@ -194,11 +212,14 @@ class Runtime:
         else:
             backend = capture_choice(self.model.get_output_embeddings().weight.device, tree, compile)[0]
         graph = bool(backend) or (self.graph if graph is None else graph) and supports_graph(tree)
-        key = (dataclasses.astuple(tree), record_confidence, graph, backend, id(self.head))
+        sources = self.sources if sources is None else sources
+        key = (dataclasses.astuple(tree), record_confidence, graph, backend, id(self.head), sources)
         if key not in self._decoders:
-            self._decoders[key] = Engine(self.model, self.head, self.tokenizer, tree,
+            head = self.head if "head" in sources or not sources else None
+            self._decoders[key] = Engine(self.model, head, self.tokenizer, tree,
                                          self.cost_profile() if tree.budget == "auto" else self.costs,
-                                         record_confidence=record_confidence, graph=graph, compile=backend)
+                                         record_confidence=record_confidence, graph=graph, compile=backend, sources=sources)
+        self._decoders[key].prefix = self.prefix_cache  # set late: chat's --no-prefix-cache and /reset act on every decoder
         return self._decoders[key]
 
     def cost_profile(self, remeasure: bool = False):
@@ -242,8 +263,15 @@ class Runtime:
             # one sequence: the engine with one row and the runtime's tree, whose per-cycle budget
             # already weighs a tree against the root alone
             return None, {**info, "tree_tokens": "per-prompt decoder"}
+        head_free = tuple(x for x in self.sources if x != "head")
+        if n == 1 and head_free and pinned_n is None and self.costs is not None:
+            # the head-free sources cost no draft step: the per-cycle budget weighs their trees
+            # against the root alone at every cycle (costs from the one-row profile at B x N rows)
+            tree = TreeSettings(total_tokens=max(BATCH_TREES), depth=depth, top_k=top_k, budget="auto")
+            return Engine(self.model, None, self.tokenizer, tree, self.cost_profile(), batch=b, sources=head_free,
+                          prefix_cache=self.prefix_cache), {**info, "tree_tokens": "per cycle (head-free sources)"}
         if n == 1:
-            return Engine(self.model, None, self.tokenizer, batch=b, costs=self.costs), info
+            return Engine(self.model, None, self.tokenizer, batch=b, costs=self.costs, prefix_cache=self.prefix_cache), info
         if pinned_n is not None:
             tree = TreeSettings(total_tokens=n, depth=depth, top_k=top_k)
         else:  # the per-cycle budget, up to the batch grid's largest tree
@@ -252,4 +280,4 @@ class Runtime:
         if tree.budget == "auto" and profile is None:
             tree = dataclasses.replace(tree, budget="constant", total_tokens=n)
         return Engine(self.model, self.head, self.tokenizer, tree, profile, batch=b, batch_costs=costs,
-                      record_confidence=record_confidence), info
+                      record_confidence=record_confidence, prefix_cache=self.prefix_cache, sources=self.sources), info

@@ -193,6 +193,8 @@ class Comparison:
             if tot.calibration_table:  # EAGLE-2 section 3: draft confidence against measured acceptance
                 d["calibration"] = tot.calibration_table
                 d["calibration_gap"] = tot.calibration_gap
+            if tot.source_counts:  # per draft source (sources.py): nodes, accepted, share of the output, calibration gap
+                d["sources"] = tot.source_table()
             if run.ops_per_cycle:
                 d["ops_per_cycle"] = run.ops_per_cycle
             if run.backend_used:

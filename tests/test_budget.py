@@ -358,3 +358,12 @@ def test_the_cost_table_never_falls_with_the_tree_size():
     ch = BudgetChooser(fake_profile({1: 47.1, 2: 48.9, 3: 56.4, 4: 54.3, 5: 52.5, 6: 51.1, 7: 54.7, 8: 55.0}, draft=2.0), 8, step_ms=2.0)
     t = ch.verify_table()
     assert (t[1:] >= t[:-1]).all() and t[2].item() == pytest.approx(53.575)
+
+
+def test_the_head_is_kept_only_where_it_adds_more_than_it_costs():
+    """budget.head_pays: with the head T tokens in C ms, without it T - m in C - d."""
+    from eagle2_core.budget import head_pays
+
+    assert head_pays(200, 1000, 60, 200)        # 0.2 tok/ms with it, 0.175 without: kept
+    assert not head_pays(200, 1000, 20, 200)    # 0.2 with it, 0.225 without: dropped
+    assert head_pays(10, 5, 0, 5)               # no time left without it: nothing to compare

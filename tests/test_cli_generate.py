@@ -120,16 +120,20 @@ def test_generate_batched_equals_one_at_a_time(tmp_path, tiny_model_dir, tiny_he
     write_input(inp, good=good, bad=[])
     texts = {}
     for name, extra in {"one": ["--batch-size", "1"], "tree": ["--batch-size", "3", "--total-tokens", "4"],
-                        "plain": ["--batch-size", "3", "--total-tokens", "1"]}.items():
+                        "plain": ["--batch-size", "3", "--total-tokens", "1"],
+                        # head-free sources alone (sources.py), per-row contexts at B = 3 and at B = 1
+                        "head-free": ["--batch-size", "3", "--draft-sources", "recycle,match"],
+                        "head-free-1": ["--batch-size", "1", "--draft-sources", "recycle,match"]}.items():
         out = tmp_path / f"{name}.jsonl"
         r = CliRunner().invoke(cli, ["generate", "-f", str(inp), "-o", str(out)] + model_args(tiny_model_dir, tiny_head_dir, 6) + extra)
         assert r.exit_code == 0, r.output + r.stderr
-        if name != "one":
+        if name not in ("one", "head-free-1"):
             assert "batch of 3" in r.stderr
         recs = read_jsonl(out)
         texts[name] = {str(x.get("id", x.get("question_id"))): (x.get("text"), x.get("turns")) for x in recs}
         assert len(texts[name]) == len(good) == len(recs)
     assert texts["tree"] == texts["one"] and texts["plain"] == texts["one"]
+    assert texts["head-free"] == texts["one"] and texts["head-free-1"] == texts["one"]
 
 
 def test_generate_seeded_sampling_is_the_same_at_every_batch_size(tmp_path, tiny_model_dir, tiny_head_dir):

@@ -71,9 +71,28 @@ def test_load_errors_are_one_line(tmp_path, tiny_model_dir, tiny_head_dir):
     assert "hidden_size 32" in line and "another model" in line
     line = _one_line_error(CliRunner().invoke(cli, ["generate", "-f", str(tmp_path / "missing.jsonl"), "--model", tiny_model_dir]))
     assert "missing.jsonl" in line
-    # no --draft, and the folder ships no head: says how to get one
-    line = _one_line_error(CliRunner().invoke(cli, ["chat", "--prompt", "x", "--model", tiny_model_dir]))
-    assert "--draft" in line and "random" in line
+    # an unknown head source: one line
+    line = _one_line_error(CliRunner().invoke(cli, ["chat", "--prompt", "x", "--model", tiny_model_dir, "--draft-sources", "ngram"]))
+    assert "--draft-sources" in line and "ngram" in line
+    line = _one_line_error(CliRunner().invoke(cli, ["chat", "--prompt", "x", "--model", tiny_model_dir, "--draft", "none",
+                                                    "--draft-sources", "head,match"]))
+    assert "needs a draft head" in line
+
+
+def test_a_model_without_a_head_drafts_head_free(tiny_model_dir):
+    """No --draft and the folder ships no head: it decodes with the head-free sources (sources.py),
+    says so in one line, and answers exactly as with `--draft none` and as plain decoding."""
+    r = CliRunner().invoke(cli, ["chat", "--prompt", "x", "--model", tiny_model_dir, "-n", "12", "--no-baseline", "--compare"])
+    assert r.exit_code == 0, r.stderr
+    assert "no draft head known" in r.stderr and "recycle + match" in r.stderr
+    assert "head-free drafts" in r.output + r.stderr
+    outs = []
+    for extra in (["--draft", "none"], ["--draft", "none", "--draft-sources", "match"]):
+        r = CliRunner().invoke(cli, ["chat", "--prompt", "x", "--model", tiny_model_dir, "-n", "12", "--no-baseline"] + extra)
+        assert r.exit_code == 0, r.stderr
+        assert "no draft head known" not in r.stderr
+        outs.append(r.output.split("╭")[0])  # the answer, before the stats panel
+    assert outs[0] == outs[1] and outs[0].strip()
 
 
 def test_random_head_and_folder_default_head(tmp_path, tiny_model_dir, tiny_head_dir):
