@@ -52,7 +52,7 @@ def test_shipped_head_default_decoder_is_lossless_and_drafts_well(smollm2):
     rt = dataclasses.replace(smollm2, _decoders={})  # a decoder of this test's own (the budget learns from its cycles)
     assert rt.draft_name == folder and not rt.head_is_random  # no --draft: the shipped head
     assert rt.tree.budget == "auto"  # the CPU default, not a fixed tree
-    dec, model = rt.eagle(), rt.model
+    dec, model = rt.eagle(sources=("head",)), rt.model  # the head alone: what its held-out acceptance predicts
     eos = sorted(model_eos_ids(model, rt.tokenizer))
     total = Summary()
     for item in dataset_items("mt-bench")[:N_PROMPTS]:
