@@ -3,9 +3,20 @@
 Starts the server (a subprocess, 127.0.0.1, a free port), then streams every prompt greedily
 (temperature 0) one client at a time, then with `--clients` clients at once, and reports the
 aggregate tokens/s of both, their ratio, time to first token, and (with --check) whether every
-answer is the one `eagle2 generate` writes for the same prompt.
+answer is the one `eagle2 generate` writes for the same prompt. With --peers, the same two loads
+go to the OpenAI servers users would run instead, one after the other in the same run, on the same
+GGUF file, the same threads and the same chat-templated prompts:
 
-    python benchmarks/serve_bench.py [-f benchmarks/mt16.jsonl] [--clients 8] [--tokens 96] [--check] [-- serve options]
+- `llama-cpp`: llama-cpp-python's server (`python -m llama_cpp.server`), llama.cpp's own decoding of
+  the file as shipped (Q4_1 blocks, 8-bit activations);
+- `transformers`: `transformers serve --continuous-batching`, transformers' paged continuous
+  batching on the dequantized float32 model, the same weights eagle2 decodes.
+
+They are benchmarks, not dependencies of eagle2:
+
+    pip install fastapi pydantic-settings sse-starlette 'starlette-context<0.4' PyYAML 'kernels<0.20'
+    python benchmarks/serve_bench.py [-f benchmarks/mt16.jsonl] [--clients 8] [--tokens 96] [--check]
+        [--peers llama-cpp,transformers] [-- serve options]
 """
 from __future__ import annotations
 
@@ -14,6 +25,7 @@ import json
 import os
 import queue
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +33,8 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from batch_bench import cpu_name  # noqa: E402
 
 
 def prompts_of(path: str) -> list[dict]:
@@ -45,7 +59,50 @@ def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
     raise SystemExit("the server did not start")
 
 
-def run_load(base: str, items: list[dict], clients: int, tokens: int) -> dict:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_peer(name: str, gguf: str) -> tuple[subprocess.Popen, str, str]:
+    """(process, base URL, model name) of a peer server on `gguf`, once it answers /v1/models."""
+    import urllib.request
+
+    port, threads = free_port(), str(os.cpu_count() or 1)
+    if name == "llama-cpp":
+        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--n_threads", threads, "--n_threads_batch", threads,
+               "--n_ctx", "4096", "--host", "127.0.0.1", "--port", str(port), "--verbose", "False"]
+        model = gguf
+    elif name == "transformers":
+        model = f"{os.path.dirname(gguf)}:{os.path.basename(gguf)}"  # transformers serve's `<repo>:<file>.gguf`
+        cmd = ["transformers", "serve", "--continuous-batching", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), model]
+    else:
+        raise SystemExit(f"--peers: unknown peer {name!r}; use llama-cpp, transformers")
+    log = open(os.path.join(tempfile.gettempdir(), f"serve_bench_{name}.log"), "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise SystemExit(f"{name} server exited; see {log.name}")
+        try:
+            urllib.request.urlopen(base + "/v1/models", timeout=2).read()
+            return proc, base, model
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"{name} server did not start in 300 s; see {log.name}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def run_load(base: str, items: list[dict], clients: int, tokens: int, model: str = "default") -> dict:
     import openai
 
     todo: queue.Queue = queue.Queue()
@@ -62,8 +119,8 @@ def run_load(base: str, items: list[dict], clients: int, tokens: int) -> dict:
             except queue.Empty:
                 return
             t0 = time.perf_counter()
-            first, parts, n = None, [], 0
-            stream = c.chat.completions.create(model="default", messages=[{"role": "user", "content": it["prompt"]}], temperature=0,
+            first, parts, n = None, [], None
+            stream = c.chat.completions.create(model=model, messages=[{"role": "user", "content": it["prompt"]}], temperature=0,
                                                max_tokens=tokens, stream=True, stream_options={"include_usage": True})
             for ch in stream:
                 if ch.choices and ch.choices[0].delta.content:
@@ -73,6 +130,8 @@ def run_load(base: str, items: list[dict], clients: int, tokens: int) -> dict:
                     n = ch.usage.completion_tokens
             with lock:
                 answers[it["id"]] = "".join(parts)
+                if n is None:  # a server without stream usage (llama-cpp-python) sends one token a chunk
+                    n = len(parts)
                 ttft.append((first or time.perf_counter()) - t0)
                 counts.append(n)
 
@@ -134,6 +193,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--check", action="store_true", help="compare every answer with `eagle2 generate` on the same prompts")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--peers", default="", help="also load these servers the same way: llama-cpp, transformers (comma-separated)")
     ap.add_argument("--stall", type=int, default=0, metavar="TOKENS",
                     help="instead: the longest pause of a running stream while a TOKENS-long prompt arrives, --prefill-chunk 0 vs 256")
     ap.add_argument("serve_args", nargs="*", help="after --: options for `eagle2 serve` (and `generate` with --check)")
@@ -170,6 +230,32 @@ def main() -> None:
         ok = sum(ref.get(str(k)) == v for k, v in many["answers"].items())
         print(f"answers identical to `eagle2 generate`: {ok}/{len(items)}")
         result["identical_to_generate"] = ok
+    peers = [p for p in args.peers.split(",") if p]
+    if peers:
+        from eagle2_core.loading import LoadError, resolve_model
+
+        model = next((args.serve_args[i + 1] for i, a in enumerate(args.serve_args[:-1]) if a in ("--model", "-m")), None)
+        try:
+            folder, gguf = resolve_model(model)
+        except LoadError as e:
+            raise SystemExit(f"--peers: {e}")
+        if gguf is None:
+            raise SystemExit("--peers needs a GGUF target (the default model, or --model FILE.gguf after --)")
+        result["peers"] = {}
+        for name in peers:
+            proc, base, pmodel = start_peer(name, os.path.join(folder, gguf))
+            try:
+                p1 = run_load(base, items, 1, args.tokens, pmodel)
+                pn = run_load(base, items, args.clients, args.tokens, pmodel)
+            finally:
+                stop(proc)
+            same = sum(pn["answers"][k] == many["answers"][k] for k in many["answers"])
+            print(f"{name}: 1 client {p1['tokens_per_s']} tok/s (ttft {p1['mean_ttft_s']} s); {args.clients} clients {pn['tokens_per_s']} tok/s "
+                  f"(ttft {pn['mean_ttft_s']} s): {pn['tokens_per_s'] / p1['tokens_per_s']:.2f}x; eagle2 at {args.clients} clients "
+                  f"{many['tokens_per_s'] / pn['tokens_per_s']:.2f}x it; answers equal to eagle2's: {same}/{len(items)}", flush=True)
+            result["peers"][name] = {"one": p1, "many": pn, "eagle2_over_peer": round(many["tokens_per_s"] / pn["tokens_per_s"], 3),
+                                     "answers_equal_to_eagle2": same}
+    result["machine"] = {"cpu": cpu_name(), "threads": os.cpu_count()}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

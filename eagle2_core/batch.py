@@ -13,7 +13,7 @@ from typing import Any
 
 from . import atomic
 from .events import GenerationSettings, Summary
-from .prompts import InputError, PromptItem, apply_overrides, ident
+from .prompts import InputError, PromptItem, SplicedIds, apply_overrides, ident
 from .stats import summary_metrics
 
 ID_KEYS = ("custom_id", "question_id", "id", "task_id")
@@ -217,8 +217,9 @@ def _too_long(runtime, item: PromptItem, ids: list[int], turn: int) -> InputErro
                       field=_prompt_field(item, turn), line=item.line, key=item.key, id=item.id)
 
 
-def item_record(item: PromptItem, texts: list[str], reasons: list[str], total: Summary, depth: int) -> dict[str, Any]:
-    """The output record of a finished item (every turn answered)."""
+def item_record(item: PromptItem, texts: list[str], reasons: list[str], total: Summary, depth: int,
+                turns: list[Summary] | None = None) -> dict[str, Any]:
+    """The output record of a finished item (every turn answered); `turns`, one summary a turn."""
     out = item.echo()
     if item.multi_turn:
         out["turns"] = texts
@@ -231,6 +232,9 @@ def item_record(item: PromptItem, texts: list[str], reasons: list[str], total: S
     out["usage"] = {"prompt_tokens": total.prompt_tokens, "completion_tokens": total.new_tokens,
                     "total_tokens": total.prompt_tokens + total.new_tokens,
                     "prompt_tokens_details": {"cached_tokens": total.cached_tokens}}
+    if item.multi_turn and turns:  # what each turn prefilled: a later turn restores its earlier turns' tokens
+        out["usage"]["turns"] = [{"prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
+                                  "completion_tokens": s.new_tokens} for s in turns]
     out["metrics"] = summary_metrics(total, depth)
     return out
 
@@ -241,12 +245,12 @@ def run_item(runtime, decoder, item: PromptItem, gen: GenerationSettings, on_tok
     g = apply_overrides(gen, item.overrides)
     messages = list(item.messages)
     user_turns = [None] + list(item.followups)
-    texts, reasons = [], []
-    total = Summary()
+    texts, reasons, turns = [], [], []
+    total, spliced = Summary(), SplicedIds()
     for t, followup in enumerate(user_turns):
         if followup is not None:
             messages.append({"role": "user", "content": followup})
-        ids = runtime.encode(messages)
+        ids = runtime.encode(messages, spliced)
         err = _too_long(runtime, item, ids, t)
         if err is not None:
             raise err
@@ -257,9 +261,11 @@ def run_item(runtime, decoder, item: PromptItem, gen: GenerationSettings, on_tok
             on_tokens(len(tokens))
         texts.append(text)
         reasons.append(summary.finish_reason)
+        turns.append(summary)
         total.merge(summary)
         messages.append({"role": "assistant", "content": text})
-    return item_record(item, texts, reasons, total, getattr(getattr(decoder, "tree", None), "depth", 0))
+        spliced.answered(text, tokens, runtime.tokenizer)
+    return item_record(item, texts, reasons, total, getattr(getattr(decoder, "tree", None), "depth", 0), turns)
 
 
 def run_batched(runtime, pending: list, writer: "OutputWriter", gen: GenerationSettings, decoder, on_fail=None,
@@ -286,7 +292,7 @@ def run_batched(runtime, pending: list, writer: "OutputWriter", gen: GenerationS
     def submit(key: int, front: bool = False) -> None:
         st = state[key]
         item, turn = st["item"], len(st["texts"])
-        ids = runtime.encode(st["messages"])
+        ids = runtime.encode(st["messages"], st["spliced"])
         err = _too_long(runtime, item, ids, turn)
         if err is not None:
             del state[key]
@@ -300,15 +306,17 @@ def run_batched(runtime, pending: list, writer: "OutputWriter", gen: GenerationS
         text = runtime.decode(tokens)
         st["texts"].append(text)
         st["reasons"].append(summary.finish_reason)
+        st["turns"].append(summary)
         st["total"].merge(summary)
         st["messages"].append({"role": "assistant", "content": text})
+        st["spliced"].answered(text, tokens, runtime.tokenizer)
         item = st["item"]
         if len(st["texts"]) <= len(item.followups):
             st["messages"].append({"role": "user", "content": item.followups[len(st["texts"]) - 1]})
             submit(key, front=True)
             return
         del state[key]
-        rec = item_record(item, st["texts"], st["reasons"], st["total"], decoder.tree.depth)
+        rec = item_record(item, st["texts"], st["reasons"], st["total"], decoder.tree.depth, st["turns"])
         writer.write(rec)
         counts["ok"] += 1
         if on_done:
@@ -319,7 +327,7 @@ def run_batched(runtime, pending: list, writer: "OutputWriter", gen: GenerationS
             fail(entry)
             continue
         state[key] = {"item": entry, "gen": apply_overrides(gen, entry.overrides), "messages": list(entry.messages),
-                      "texts": [], "reasons": [], "total": Summary()}
+                      "texts": [], "reasons": [], "turns": [], "total": Summary(), "spliced": SplicedIds()}
         submit(key)
     decoder.run(queue, done)
     return counts["ok"], counts["failed"]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from .treesettings import TreeSettings
 from .events import GenerationSettings, StepEvent, Summary
-from .prompts import SEED_MAX, SEED_MIN, encode_chat, render_chat
+from .prompts import SEED_MAX, SEED_MIN, SplicedIds
 
 # /set keys: name -> (target object, field, type). "gen" = GenerationSettings, "tree" = TreeSettings.
 SETTINGS = {
@@ -83,66 +83,42 @@ def settings_view(gen: GenerationSettings, tree: TreeSettings) -> dict:
 
 @dataclass
 class Conversation:
-    """The messages, and the conversation as the model saw it: token ids. An answer's text
-    encoded again can give other ids than the ones generated (tokenization is not compositional),
-    and a kept cache (prefix.py) is only valid for the ids it was computed on, so the next turn's
-    prompt is the ids seen so far (the last prompt and the answer's own ids) followed by the
-    encoding of what the template adds after the answer, wherever the template renders the
-    earlier turns and the answer verbatim. Elsewhere (a template that trims answers, a changed
-    system prompt) the whole conversation is encoded afresh, and a kept cache still serves the
-    longest common prefix."""
+    """The messages, and the conversation as the model saw it: token ids, continued turn after
+    turn from the generated ids (prompts.SplicedIds: a kept cache is only valid for the ids it
+    was computed on)."""
     system_prompt: str | None = None
     messages: list[dict] = field(default_factory=list)   # user/assistant turns, no system message
     turns: list[Summary] = field(default_factory=list)   # one EAGLE-2 summary per answered turn
-    seen_text: str = ""                                   # the last prompt rendered, and its answer's text
-    seen_ids: list[int] = field(default_factory=list)     # their ids: the prompt's, then the answer's own
-    spliced: int = 0                                      # turns whose prompt continued `seen_ids`
-    _prompt: tuple | None = field(default=None, repr=False)  # (rendered text, ids) of the turn being answered
+    ids: SplicedIds = field(default_factory=SplicedIds)
+
+    @property
+    def spliced(self) -> int:
+        return self.ids.spliced
 
     def add_user(self, text: str) -> list[dict]:
         self.messages.append({"role": "user", "content": text})
         return self.full()
 
     def encode(self, tokenizer, chat_template: str | None = None) -> list[int]:
-        """Token ids of the conversation plus the generation prompt, continuing the ids seen so far
-        where the template allows (the class docstring). Raises InputError as encode_chat does."""
-        ids = encode_chat(tokenizer, self.full(), None, chat_template)  # checks the texts; the fallback
-        text, _ = render_chat(tokenizer, self.full(), chat_template)
-        if self.seen_ids and text.startswith(self.seen_text):
-            rest = list(tokenizer(text[len(self.seen_text):], add_special_tokens=False)["input_ids"])
-            ids = self.seen_ids + rest
-            self.spliced += 1
-        self._prompt = (text, ids)
-        return ids
+        """Token ids of the conversation plus the generation prompt (SplicedIds.encode)."""
+        return self.ids.encode(tokenizer, self.full(), None, chat_template)
 
     def add_assistant(self, text: str, summary: Summary | None = None, token_ids: list[int] | None = None, tokenizer=None) -> None:
-        """The answer, and with its `token_ids` (as generated) the ids seen so far: the prompt's,
-        then the answer's, less the end-of-turn tokens the text leaves out (the template writes
-        its own after the text). An answer with special tokens inside is not spliced."""
+        """The answer, and with its `token_ids` (as generated) the ids the next turn continues."""
         self.messages.append({"role": "assistant", "content": text})
         if summary is not None:
             self.turns.append(summary)
-        prompt, self._prompt = self._prompt, None
-        self.seen_text, self.seen_ids = "", []
-        if prompt is None or token_ids is None or tokenizer is None:
-            return
-        special = set(getattr(tokenizer, "all_special_ids", ()) or ())
-        answer = list(token_ids)
-        while answer and answer[-1] in special:
-            answer.pop()
-        if any(t in special for t in answer) or tokenizer.decode(answer, skip_special_tokens=True) != text:
-            return
-        self.seen_text, self.seen_ids = prompt[0] + text, list(prompt[1]) + answer
+        self.ids.answered(text, token_ids, tokenizer)
 
     def drop_last_user(self) -> None:
         if self.messages and self.messages[-1]["role"] == "user":
             self.messages.pop()
-        self._prompt = None
+        self.ids.prompt = None
 
     def reset(self) -> None:
         self.messages.clear()
         self.turns.clear()
-        self.seen_text, self.seen_ids, self._prompt = "", [], None
+        self.ids.reset()
 
     def full(self) -> list[dict]:
         sys = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []

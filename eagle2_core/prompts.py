@@ -383,3 +383,50 @@ def encode_chat(tokenizer, messages: list[dict], system_prompt: str | None = Non
                          "assistant's generation prompt)", path="chat template") if templated else \
             InputError("encodes to no tokens", path="prompt")
     return ids
+
+
+@dataclass
+class SplicedIds:
+    """A conversation as the model saw it: token ids. An answer's text encoded again can give
+    other ids than the ones generated (tokenization is not compositional), and a kept cache
+    (prefix.py) is only valid for the ids it was computed on, so the next turn's prompt is the ids
+    seen so far (the last prompt's and the answer's own) followed by the encoding of what the
+    template adds after the answer, wherever the template renders the earlier turns and the answer
+    verbatim. Elsewhere (a template that trims answers, a changed system prompt) the whole
+    conversation is encoded afresh, and a kept cache still serves the longest common prefix.
+    Chat turns and the turns of a prompt file's item use it alike."""
+    seen_text: str = ""                                   # the last prompt rendered, and its answer's text
+    seen_ids: list[int] = field(default_factory=list)     # their ids: the prompt's, then the answer's own
+    spliced: int = 0                                      # turns whose prompt continued `seen_ids`
+    prompt: tuple | None = field(default=None, repr=False)  # (rendered text, ids) of the turn being answered
+
+    def encode(self, tokenizer, messages: list[dict], system_prompt: str | None = None, chat_template: str | None = None) -> list[int]:
+        """Token ids of `messages` plus the generation prompt, continuing the ids seen so far where
+        the template allows. Raises InputError as encode_chat does."""
+        ids = encode_chat(tokenizer, messages, system_prompt, chat_template)  # checks the texts; the fallback
+        text, _ = render_chat(tokenizer, with_system(messages, system_prompt), chat_template)
+        if self.seen_ids and text.startswith(self.seen_text):
+            ids = self.seen_ids + list(tokenizer(text[len(self.seen_text):], add_special_tokens=False)["input_ids"])
+            self.spliced += 1
+        self.prompt = (text, ids)
+        return ids
+
+    def answered(self, text: str, token_ids: list[int] | None, tokenizer) -> None:
+        """The answer to the last encoded prompt: with its `token_ids` (as generated) the ids seen so
+        far become the prompt's, then the answer's, less the end-of-turn tokens the text leaves out
+        (the template writes its own after the text). An answer with special tokens inside, or
+        whose ids do not decode to `text`, is not spliced."""
+        prompt, self.prompt = self.prompt, None
+        self.seen_text, self.seen_ids = "", []
+        if prompt is None or token_ids is None or tokenizer is None:
+            return
+        special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        answer = list(token_ids)
+        while answer and answer[-1] in special:
+            answer.pop()
+        if any(t in special for t in answer) or tokenizer.decode(answer, skip_special_tokens=True) != text:
+            return
+        self.seen_text, self.seen_ids = prompt[0] + text, list(prompt[1]) + answer
+
+    def reset(self) -> None:
+        self.seen_text, self.seen_ids, self.prompt = "", [], None

@@ -17,7 +17,7 @@ from .events import GenerationSettings
 from .head import DraftHead, HeadSpec
 from .loading import LoadedTarget, LoadError, default_head_for, load_draft_head, load_target
 from .measure import load_or_measure, load_or_measure_batch
-from .prompts import encode_chat
+from .prompts import SplicedIds, encode_chat
 from .sources import parse_sources
 from .sampling import generation_description, generation_label, settings_from_model
 from .target import context_length
@@ -195,7 +195,11 @@ class Runtime:
         """`generation_settings` in one line ("greedy: repetition_penalty 1.3")."""
         return generation_label(self.gen, getattr(self.model, "generation_config", None))
 
-    def encode(self, messages: list[dict]) -> list[int]:
+    def encode(self, messages: list[dict], spliced: SplicedIds | None = None) -> list[int]:
+        """Token ids of a conversation; with `spliced`, continuing the ids its earlier turns were
+        generated as (prompts.SplicedIds), so a kept cache of the earlier turn serves it whole."""
+        if spliced is not None:
+            return spliced.encode(self.tokenizer, messages, self.system_prompt, self.chat_template)
         return encode_chat(self.tokenizer, messages, self.system_prompt, self.chat_template)
 
     def decode(self, tokens: list[int]) -> str:

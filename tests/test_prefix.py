@@ -351,7 +351,7 @@ def test_chat_turns_prefill_only_what_is_new(tiny_model_dir, tiny_head_dir):
     assert f"turn 2: prompt {summaries[1].prompt_tokens} tokens: {summaries[1].cached_tokens} reused" in err
     assert len(kept.rt.prefix_cache) == 1  # one conversation, one entry: its latest turn
     kept.command("/reset")
-    assert len(kept.rt.prefix_cache) == 0 and kept.conv.seen_ids == []
+    assert len(kept.rt.prefix_cache) == 0 and kept.conv.ids.seen_ids == []
 
 
 def test_a_spliced_answer_keeps_the_ids_generated(tiny_model_dir):
@@ -408,6 +408,12 @@ def test_generate_second_turns_reuse_the_first(tmp_path, tiny_model_dir, tiny_he
         assert without["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         first_turn = with_cache["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert first_turn > 10, with_cache["usage"]  # the first turn's prompt at least, restored for the second
+        one, two = with_cache["usage"]["turns"]  # per turn: the second restores all but the answer's last tokens
+        assert one["cached_tokens"] + two["cached_tokens"] == first_turn
+        # the answer's ids spliced (prompts.SplicedIds), so the restored part runs into the answer (the random
+        # model's answers do not survive decoding and encoding again: unspliced, it stopped at the first prompt)
+        assert two["cached_tokens"] > one["prompt_tokens"], with_cache["usage"]
+        assert one["prompt_tokens"] + two["prompt_tokens"] == with_cache["usage"]["prompt_tokens"]
 
 
 # -- long prompts beside decoding rows: prefilled a chunk per cycle ------------------------------
