@@ -196,15 +196,16 @@ def product_weights(model, head) -> list[torch.Tensor]:
     return out
 
 
-def product_plan(products: dict) -> rowgemm.ProductPlan:
+def product_plan(products: dict, packing: bool = True) -> rowgemm.ProductPlan:
     """The plan from measured kernels: per shape, the one packing hint that does best over all
     row counts (by the sum of its ratios to the fastest), then per row count the fastest of
     linear, transposed, stream, block (GGUF weights) and that packing, linear keeping ties (ROW_WIN). Row buckets not timed
-    follow the next timed count up."""
+    follow the next timed count up. Packings are timed only where they ran; whether they run in
+    this process is asked only of a plan that takes one (the probe loads oneDNN: rowgemm.have_packed)."""
     kernels, hints = {}, {}
     for key, by_rows in products.items():
         rows = sorted(by_rows)
-        packed = sorted({k for r in rows for k in by_rows[r] if k.startswith("packed@")}) if rowgemm.HAVE_PACKED else []
+        packed = sorted({k for r in rows for k in by_rows[r] if k.startswith("packed@")}) if packing else []
         best = {r: min(by_rows[r].values()) for r in rows}
         hint = min(packed, key=lambda k: sum(by_rows[r][k] / best[r] for r in rows)) if packed else None
         chosen = {}
@@ -216,6 +217,8 @@ def product_plan(products: dict) -> rowgemm.ProductPlan:
         kernels[key] = {b: chosen[next((r for r in rows if r >= b), rows[-1])] for b in rowgemm.ROW_BUCKETS}
         if hint and "packed" in kernels[key].values():
             hints[key] = int(hint.split("@")[1])
+    if hints and not rowgemm.have_packed():
+        return product_plan(products, packing=False)
     return rowgemm.ProductPlan(kernels, hints)
 
 

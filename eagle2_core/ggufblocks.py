@@ -22,7 +22,11 @@ LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 OTHER_NAMES = {"token_embd": "model.embed_tokens", "output": "lm_head"}
-BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # what block_linear reads
+# The types block_linear reads: GGML's type id -> (name, values per block, bytes per block), as
+# gguf-py's GGMLQuantizationType and GGML_QUANT_SIZES give them (csrc/products.cpp: q_block,
+# q_bytes). Reading a file of these types needs no gguf-py, whose import alone keeps 2 MB resident.
+BLOCK_SIZES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
+               12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
 
 
 @dataclass
@@ -71,8 +75,6 @@ def unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
 def read_blocks(path: str, num_heads: int, num_kv_heads: int) -> tuple[dict[str, BlockWeight], dict[str, str]]:
     """The file's 2-D weights of the block types, by Hugging Face name, and {name: type} of the
     mapped 2-D weights of other types (those stay dequantized: `tune` says which)."""
-    import gguf
-
     out: dict[str, BlockWeight] = {}
     other: dict[str, str] = {}
     # Our own reading of the header (tensor_infos) and of each tensor's bytes straight into its
@@ -85,15 +87,11 @@ def read_blocks(path: str, num_heads: int, num_kv_heads: int) -> tuple[dict[str,
             name = hf_name(gname)
             if name is None or len(dims) != 2:
                 continue
-            try:
-                type_name = gguf.GGMLQuantizationType(qtype).name
-            except ValueError:
-                type_name = f"type {qtype}"
-            if type_name not in BLOCK_TYPES:
-                other[name] = type_name
+            if qtype not in BLOCK_SIZES:
+                other[name] = _type_name(qtype)
                 continue
+            type_name, block, nbytes = BLOCK_SIZES[qtype]
             n_in, n_out = dims  # GGUF lists the fastest dimension first
-            block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
             blocks = torch.empty(n_out, n_in // block * nbytes, dtype=torch.uint8)
             f.seek(data_start + offset)
             if f.readinto(blocks.numpy()) != blocks.numel():
@@ -104,6 +102,16 @@ def read_blocks(path: str, num_heads: int, num_kv_heads: int) -> tuple[dict[str,
                 blocks = torch.from_numpy(np.ascontiguousarray(unpermute_rows(blocks.numpy(), num_kv_heads)))
             out[name] = BlockWeight(blocks, qtype, type_name, n_in)
     return out, other
+
+
+def _type_name(qtype: int) -> str:
+    """GGML's name of a type id (F16, Q2_K, ...), for the weights that stay dequantized."""
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"type {qtype}"
 
 
 # GGUF's metadata value types: fixed sizes by type id (8 is a string, 9 an array)

@@ -96,18 +96,20 @@ def for_model(body, config) -> "LeanBody | None":
     return lean
 
 
+def stacked(ts: list[torch.Tensor]) -> torch.Tensor:
+    """`ts` stacked by rows into one tensor, each of `ts` then a view into it (same values, same
+    shapes: no second copy once the old storage goes)."""
+    fused = torch.cat([t.detach() for t in ts])
+    off = 0
+    for t in ts:
+        t.data = fused[off: off + t.shape[0]]
+        off += t.shape[0]
+    return fused
+
+
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several linears read by the same input, their rows stacked; the
-    linears' parameters become views into it (same values, same shapes: no second copy once the
-    old storage goes). Made once per body (`for_model` keeps it)."""
-    def stacked(ts):
-        fused = torch.cat([t.detach() for t in ts])
-        off = 0
-        for t in ts:
-            t.data = fused[off: off + t.shape[0]]
-            off += t.shape[0]
-        return fused
-
+    linears' parameters become views into it (`stacked`). Made once per body (`for_model` keeps it)."""
     blocks = [rowgemm.blocks_of(m.weight) for m in linears]  # a GGUF target's blocks (issue 41)
     same_type = all(b is not None for b in blocks) and len({b.qtype for b in blocks}) == 1
     if same_type:  # one block weight for the fused product, the parts' blocks views into it (no second copy)
@@ -177,8 +179,9 @@ def native_status() -> str:
 # few rows, then the draft lm_head. Through the stock transformers layer it cost ~3.8 ms on SmolLM2
 # where its weights stream in ~1.6 (issue 28): the same native loop runs it, one layer with no
 # input norm and no final norm (EAGLE's head has neither). Its q/k/v and gate/up are read as one
-# product each from a fused copy (9 MB on SmolLM2's head; the head's parameters, its checkpoint
-# format and training are untouched), made once and again only if the weights change.
+# product each from a fused weight whose views the head's parameters become, as the target body's
+# do (no second copy: that was 9 MB on SmolLM2's head; its checkpoint format and training are
+# untouched), made once and again only when a parameter is updated or replaced.
 _HEADS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 _NO_NORM = torch.empty(0)
 
@@ -203,15 +206,17 @@ def _head_fused(head):
     w0 = a.q_proj.weight
     if w0.device.type != "cpu" or w0.dtype not in DTYPES or any(type(x) not in (torch.nn.Linear, rowgemm.RowLinear) for x in lins):
         return None
-    key = tuple((x.weight.data_ptr(), x.weight._version) for x in lins) + tuple(
-        (x.bias.data_ptr(), x.bias._version) for x in lins[:3] if x.bias is not None)
+    def key():
+        return tuple((x.weight.data_ptr(), x.weight._version) for x in lins) + tuple(
+            (x.bias.data_ptr(), x.bias._version) for x in lins[:3] if x.bias is not None)
+
     got = _HEADS.get(head)
-    if got is None or got[0] != key:
+    if got is None or got[0] != key():
         with torch.no_grad():
-            qkv = torch.cat([x.weight.detach() for x in lins[:3]])
-            bias = torch.cat([x.bias.detach() for x in lins[:3]]) if a.q_proj.bias is not None else None
-            gate_up = torch.cat([x.weight.detach() for x in lins[3:]])
-        got = _HEADS[head] = (key, qkv, bias, gate_up)
+            qkv = stacked([x.weight for x in lins[:3]])
+            bias = stacked([x.bias for x in lins[:3]]) if a.q_proj.bias is not None else None
+            gate_up = stacked([x.weight for x in lins[3:]])
+        got = _HEADS[head] = (key(), qkv, bias, gate_up)
     return got
 
 

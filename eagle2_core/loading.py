@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -195,6 +196,32 @@ def _quiet_gguf_bar():
         gguf_utils.tqdm = bar
 
 
+def _tied_key_mapping(folder: str) -> dict[str, str] | None:
+    """Names for from_pretrained's `key_mapping` under which a converted GGUF's tied weights load.
+
+    safetensors keeps one name of a tensor shared by two parameters, and our conversion kept the
+    output one (`lm_head.weight`). transformers fills a tied pair from its input side (the
+    embedding) and treats that side as missing: it first fills the embedding with random values
+    (a whole float32 vocabulary table, 113 MB on SmolLM2, the largest thing a warm load touched),
+    then ties it away. Loaded under the embedding's name, nothing is missing and nothing is drawn.
+    None where the file already has both names or the model ties nothing."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from .quantization import safetensors_index
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+        tied = getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_tied_weights_keys", None)
+    except (KeyError, OSError, ValueError):
+        return None
+    if not isinstance(tied, dict) or not getattr(config.get_text_config(), "tie_word_embeddings", False):
+        return None
+    keys = safetensors_index(folder)
+    mapping = {f"^{re.escape(out)}$": source for out, source in tied.items() if out in keys and source not in keys}
+    return mapping or None
+
+
 def _load_gguf(folder: str, gguf: str, dtype: torch.dtype):
     """Dequantize a GGUF once, then reuse the safetensors copy under the cache folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -202,7 +229,7 @@ def _load_gguf(folder: str, gguf: str, dtype: torch.dtype):
     cached = _gguf_cache_folder(folder, gguf)
     if os.path.isfile(os.path.join(cached, "model.safetensors")):
         tok = AutoTokenizer.from_pretrained(cached)
-        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype, key_mapping=_tied_key_mapping(cached))
         return model, tok, cached
     try:
         with _quiet_gguf_bar():
@@ -232,7 +259,7 @@ def _load_gguf(folder: str, gguf: str, dtype: torch.dtype):
         shutil.rmtree(tmp, ignore_errors=True)  # a half-written copy would hold space and never be used
     if os.path.isfile(os.path.join(cached, "model.safetensors")):
         del model
-        return AutoModelForCausalLM.from_pretrained(cached, dtype=dtype), tok, cached
+        return AutoModelForCausalLM.from_pretrained(cached, dtype=dtype, key_mapping=_tied_key_mapping(cached)), tok, cached
     return model.to(dtype), tok, folder
 
 
@@ -375,6 +402,8 @@ def drop_floats(model) -> tuple[int, int]:
                 with torch.no_grad():
                     rowgemm.make_floatless(w, bw)
         mod.__class__ = kind
+        if kind is rowgemm.FloatlessLinear:
+            rowgemm.chunked(w)  # its check now, while memory is low (rowgemm.chunked)
     if done:
         with torch.no_grad():
             for p in list(model.parameters()) + list(model.buffers()):

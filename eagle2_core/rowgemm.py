@@ -11,7 +11,7 @@ faster kernels for the same product, so which one runs is a *plan*, measured per
 - `transposed`: `W @ x.T`, a tall-skinny product that streams W once (MKL's other path).
 - `packed`: oneDNN's linear on a weight reordered once into its blocked layout
   (`mkldnn._reorder_linear_weight`, the op inductor's weight prepacking emits). Private ops:
-  probed at import, and the plan never offers them where they are missing or fail.
+  probed at first use (`have_packed`); the plan never offers them where they are missing or fail.
 - `stream`: our own kernel (csrc/products.cpp, built for the machine by native.py): the weight
   streamed once in its own layout (no copy), the next block prefetched while a tile of up to 24
   accumulators computes on the current one; each output's sum in a
@@ -60,7 +60,19 @@ def _probe_packed() -> bool:
         return False
 
 
-HAVE_PACKED = _probe_packed()
+def have_packed() -> bool:
+    """Whether `packed` is offered here: probed at the first ask, not at import. The probe runs
+    oneDNN, whose code pages (~6 MB resident) a plan without packed products never needs."""
+    got = globals().get("HAVE_PACKED")
+    if got is None:
+        got = globals()["HAVE_PACKED"] = _probe_packed()
+    return got
+
+
+def __getattr__(name: str):
+    if name == "HAVE_PACKED":  # `rowgemm.HAVE_PACKED`: the probe's answer, made on first read
+        return have_packed()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def have_stream() -> bool:
@@ -75,7 +87,7 @@ def stream_fits(weight: torch.Tensor) -> bool:
 
 
 def _offered(kernel: str) -> bool:
-    return kernel in KERNELS and (kernel != "packed" or HAVE_PACKED) and (kernel not in ("stream", "block") or have_stream())
+    return kernel in KERNELS and (kernel != "packed" or have_packed()) and (kernel not in ("stream", "block") or have_stream())
 
 
 def shape_key(weight: torch.Tensor) -> str:
@@ -146,7 +158,7 @@ def forced(kernel: str) -> ProductPlan:
     """A plan that takes `kernel` for every shape and row count."""
     if kernel not in KERNELS:
         raise ValueError(f"EAGLE2_KERNEL: unknown kernel {kernel!r}; choose from {', '.join(KERNELS)} or measured")
-    if kernel == "packed" and not HAVE_PACKED:
+    if kernel == "packed" and not have_packed():
         raise ValueError("EAGLE2_KERNEL=packed: this torch build has no oneDNN packed linear")
     if kernel in ("stream", "block") and not have_stream():
         raise ValueError(f"EAGLE2_KERNEL={kernel}: eagle2's native code is {native.status()}")
@@ -283,14 +295,22 @@ def chunks_keep_bits(in_features: int, tail: int) -> bool:
     return got
 
 
+def chunked(weight: torch.Tensor) -> bool:
+    """Whether `rebuilt_linear` multiplies this weight a chunk of rows at a time. Loading asks it
+    of every floatless weight, so that the check's own memory (a random weight of two chunks and
+    its products, ~10 MB for SmolLM2's lm_head) is taken while the model's working memory is not,
+    rather than on top of the first `generate`'s."""
+    out_f, in_f = weight.shape
+    return out_f > 2 * CHUNK_ROWS and chunks_keep_bits(in_f, out_f % CHUNK_ROWS)
+
+
 def rebuilt_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear` over a floatless weight's rebuilt floats: what transformers computes with the
     float32 weight resident. A large weight (a vocabulary's lm_head) is rebuilt and multiplied a
     chunk of rows at a time where that keeps the bits (chunks_keep_bits): its whole float32 copy
     would be the largest thing in memory."""
-    out_f, in_f = weight.shape
-    step = CHUNK_ROWS
-    if out_f <= 2 * step or not chunks_keep_bits(in_f, out_f % step):
+    out_f, step = weight.shape[0], CHUNK_ROWS
+    if not chunked(weight):
         return F.linear(x, rebuilt(weight).to(x.dtype), bias)
     return torch.cat([F.linear(x, rebuilt(weight, (a, min(out_f, a + step))).to(x.dtype), None if bias is None else bias[a: a + step])
                       for a in range(0, out_f, step)], -1)
@@ -418,7 +438,7 @@ def prepare(weights, plan: ProductPlan | None = None) -> int:
         del _PACKED[k]
     weights = list(weights)
     for w in weights:
-        if not (HAVE_PACKED and eligible(w) and plan.packs(shape_key(w))) or floatless(w):
+        if not (plan.packs(shape_key(w)) and eligible(w) and have_packed()) or floatless(w):
             _PACKED.pop(id(w), None)
         elif _packed_of(w) is None:
             with torch.no_grad():

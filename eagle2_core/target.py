@@ -132,6 +132,16 @@ def model_eos_ids(model, tokenizer) -> set[int]:
     if tokenizer is not None:
         if tokenizer.eos_token_id is not None:
             ids.add(tokenizer.eos_token_id)
-        vocab = tokenizer.get_vocab()
-        ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+        lookup = getattr(tokenizer, "convert_tokens_to_ids", None)
+        if lookup is None:  # a minimal tokenizer: its vocabulary as a dict
+            vocab = tokenizer.get_vocab()
+            ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
+        else:
+            # each token looked up alone (an unknown one comes back as the unknown token's id):
+            # `get_vocab()` would copy the whole vocabulary at every `generate` call, 12 MB at its
+            # peak for SmolLM2's 49k tokens and part of it left in the heap
+            for t in END_OF_TURN_TOKENS:
+                i = lookup(t)
+                if isinstance(i, int) and tokenizer.convert_ids_to_tokens(i) == t:
+                    ids.add(i)
     return ids

@@ -265,9 +265,14 @@ def test_the_draft_heads_native_step_is_its_stock_layer(arch, dtype, monkeypatch
         else:
             torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
     qkv = leanbody.head_weights(head)[0]
+    k = head.layers[0].self_attn.k_proj.weight
+    assert k.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()  # a view into the fused weight, no copy
+    before = qkv.clone()
     with torch.no_grad():
-        head.layers[0].self_attn.k_proj.weight.mul_(2.0)  # a training step: the copy is made again
-    assert not torch.equal(leanbody.head_weights(head)[0], qkv)
+        k.mul_(2.0)  # a training step: the fused weight the native step reads has it too
+    after = leanbody.head_weights(head)[0]
+    assert not torch.equal(after, before)
+    assert torch.equal(after[head.layers[0].self_attn.q_proj.weight.shape[0]:][: k.shape[0]], k)
 
 
 @pytest.mark.skipif(native.module() is None, reason="eagle2's native code is not built here")
