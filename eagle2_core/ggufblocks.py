@@ -53,6 +53,64 @@ class BlockWeight:
                                 .reshape(self.out_features, self.in_features).copy())
 
 
+# Exact widenings: a block of the first type holds values the second type holds too, with the same
+# scale, so the rebuilt float32 weights are the same bits (Q4_0's d * (q - 8) is Q5_0's d * (q' - 16)
+# with q' = q + 8, and Q8_0's d * x with x = q - 8; Q4_1's (d * q) + m is Q5_1's with a zero fifth
+# bit). A fused q/k/v whose parts were quantized to different types (Qwen2.5's Q5_0 q and k beside
+# a Q8_0 v) is then one block weight of the widest, read by one product, rather than float32.
+WIDER = {2: (6, 8), 6: (8,), 3: (7,)}  # type -> the types it widens into exactly
+
+
+def common_type(qtypes) -> int | None:
+    """The narrowest type every one of `qtypes` widens into exactly (itself included), or None."""
+    qtypes = set(qtypes)
+    for t in sorted({t for q in qtypes for t in (q, *WIDER.get(q, ()))}, key=lambda t: BLOCK_SIZES[t][2]):
+        if all(q == t or t in WIDER.get(q, ()) for q in qtypes):
+            return t
+    return None
+
+
+def _values32(raw: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A 32-value type's blocks [n, bytes] -> (d bytes [n, 2], integer values [n, 32] as the
+    type stores them (before its offset), m bytes [n, 2] or None)."""
+    if qtype in (2, 3):  # d (m), 16 bytes of nibbles: value j low, value j + 16 high
+        qs = raw[:, -16:]
+        q = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int16)
+    else:  # Q5: d (m), 4 bytes of fifth bits (bit j for value j), 16 bytes of nibbles
+        qs = raw[:, -16:]
+        qh = raw[:, -20:-16].copy().view("<u4")[:, 0]
+        high = (qh[:, None] >> np.arange(32, dtype=np.uint32)) & 1
+        q = (np.concatenate([qs & 15, qs >> 4], axis=1) | (high << 4)).astype(np.int16)
+    return raw[:, 0:2], q, (raw[:, 2:4] if qtype in (3, 7) else None)
+
+
+def widen(bw: BlockWeight, qtype: int) -> BlockWeight:
+    """`bw` in the wider type `qtype` (WIDER), the same rebuilt weights to the bit."""
+    if qtype == bw.qtype:
+        return bw
+    if qtype not in WIDER.get(bw.qtype, ()):
+        raise ValueError(f"{bw.type_name} does not widen exactly into {BLOCK_SIZES[qtype][0]}")
+    name, block, nbytes = BLOCK_SIZES[qtype]
+    raw = bw.blocks.numpy().reshape(-1, BLOCK_SIZES[bw.qtype][2])
+    d, q, m = _values32(raw, bw.qtype)
+    offset = {2: 8, 6: 16, 3: 0}[bw.qtype]  # the stored value minus this is the integer multiplying d
+    out = np.empty((raw.shape[0], nbytes), dtype=np.uint8)
+    out[:, 0:2] = d
+    if qtype == 8:  # Q8_0: d, then 32 signed bytes
+        out[:, 2:] = (q - offset).astype(np.int8).view(np.uint8)
+    else:  # Q5_0 (from Q4_0: q + 8, so that q' - 16 = q - 8) or Q5_1 (from Q4_1: the same q)
+        head = 2
+        if m is not None:
+            out[:, 2:4] = m
+            head = 4
+        q5 = q + (16 - offset if qtype == 6 else 0)
+        bits = ((q5 >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
+        out[:, head: head + 4] = np.bitwise_or.reduce(bits, axis=1).astype("<u4")[:, None].view(np.uint8)
+        out[:, head + 4:] = ((q5[:, :16] & 15) | ((q5[:, 16:] & 15) << 4)).astype(np.uint8)
+    blocks = torch.from_numpy(out.reshape(bw.out_features, -1))
+    return BlockWeight(blocks, qtype, name, bw.in_features)
+
+
 def hf_name(gguf_name: str) -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for what we do not map."""
     parts = gguf_name.split(".")

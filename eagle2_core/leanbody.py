@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native, rowgemm
-from .ggufblocks import BlockWeight
+from .ggufblocks import BlockWeight, common_type, widen
 from .rowgemm import linear_rows
 
 LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer", "Qwen3DecoderLayer"}
@@ -111,6 +111,10 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     """One weight (and bias) for several linears read by the same input, their rows stacked; the
     linears' parameters become views into it (`stacked`). Made once per body (`for_model` keeps it)."""
     blocks = [rowgemm.blocks_of(m.weight) for m in linears]  # a GGUF target's blocks (issue 41)
+    if all(b is not None for b in blocks) and len({b.qtype for b in blocks}) > 1:
+        common = common_type(b.qtype for b in blocks)  # parts of several types: widened exactly where one holds them all
+        if common is not None:
+            blocks = [widen(b, common) for b in blocks]
     same_type = all(b is not None for b in blocks) and len({b.qtype for b in blocks}) == 1
     if same_type:  # one block weight for the fused product, the parts' blocks views into it (no second copy)
         fused_blocks = torch.cat([b.blocks for b in blocks])

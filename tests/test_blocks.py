@@ -104,6 +104,28 @@ def test_the_embedded_gguf_read_as_blocks_rebuilds_transformers_weights_bitwise(
         assert torch.equal(mod.block_linear(x, bw.blocks, bw.qtype, None), mod.stream_linear(x, w, None)), name
 
 
+@pytest.mark.parametrize("src,dst", [("Q4_0", "Q5_0"), ("Q4_0", "Q8_0"), ("Q5_0", "Q8_0"), ("Q4_1", "Q5_1")])
+def test_widened_blocks_rebuild_the_same_weights_and_products(src, dst):
+    """ggufblocks.widen: a block type rewritten into a wider one holds the same float32 weights to
+    the bit (gguf-py's dequantization of both), so their products are the same bits too."""
+    from eagle2_core.ggufblocks import BlockWeight, common_type, widen
+
+    k, n = 96, 9
+    raw = blocks_of(src, n, k, np.random.default_rng(7))
+    bw = BlockWeight(torch.from_numpy(raw.copy()), int(getattr(T, src)), src, k)
+    wide = widen(bw, int(getattr(T, dst)))
+    assert wide.type_name == dst and wide.blocks.shape == (n, k // 32 * gguf.GGML_QUANT_SIZES[getattr(T, dst)][1])
+    a, b = dequantized(src, raw, k), dequantized(dst, wide.blocks.numpy(), k)
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    x = torch.randn(3, k)
+    mod = native.module()
+    assert torch.equal(mod.block_linear(x, bw.blocks, bw.qtype, None), mod.block_linear(x, wide.blocks, wide.qtype, None))
+    assert common_type([bw.qtype, wide.qtype]) == wide.qtype
+    assert common_type([int(T.Q4_1), int(T.Q8_0)]) is None and common_type([int(T.Q4_K), int(T.Q6_K)]) is None
+    with pytest.raises(ValueError):
+        widen(wide, bw.qtype)
+
+
 def quantized_tiny_llama(name: str = "Q8_0", hidden: int = 64, vocab: int = 48):
     """A tiny Llama whose every linear weight (lm_head too) holds the dequantization of its own
     GGUF blocks, with the blocks attached as loading attaches a GGUF target's."""
@@ -113,17 +135,23 @@ def quantized_tiny_llama(name: str = "Q8_0", hidden: int = 64, vocab: int = 48):
     from eagle2_core.ggufblocks import BlockWeight
 
     model = make_tiny_lm("llama", vocab_size=vocab, hidden_size=hidden, max_position_embeddings=64)
-    qtype = getattr(T, name)
-    for mod in [m for m in model.modules() if isinstance(m, torch.nn.Linear)]:
+    for mod_name, mod in [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]:
+        t = MIXED.get(mod_name.rsplit(".", 1)[-1], "Q8_0") if name == "mixed" else name
+        qtype = getattr(T, t)
         w = mod.weight.detach().float().numpy()
         blocks = gguf.quants.quantize(w, qtype).reshape(w.shape[0], -1)
         with torch.no_grad():
-            mod.weight.copy_(dequantized(name, blocks, w.shape[1]))
-        rowgemm.attach_blocks(mod.weight, BlockWeight(torch.from_numpy(blocks.copy()), int(qtype), name, w.shape[1]))
+            mod.weight.copy_(dequantized(t, blocks, w.shape[1]))
+        rowgemm.attach_blocks(mod.weight, BlockWeight(torch.from_numpy(blocks.copy()), int(qtype), t, w.shape[1]))
     return model
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_1"])
+# "mixed": parts of one fused product in different types, as llama.cpp's mixes quantize them
+# (Qwen2.5-Coder's file: Q5_0 q and k beside a Q8_0 v); the lean body widens them exactly
+MIXED = {"q_proj": "Q5_0", "k_proj": "Q4_0", "v_proj": "Q8_0", "o_proj": "Q4_0", "gate_proj": "Q4_1", "up_proj": "Q5_1", "down_proj": "Q5_0"}
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "mixed"])
 def test_block_weights_through_the_one_engine(name, monkeypatch):
     """The block kernel forced for every product that has blocks (EAGLE2_KERNEL=block; the head's
     weights stream their floats): every forward is bitwise the one with the float32 stream kernel
@@ -160,6 +188,8 @@ def test_block_weights_through_the_one_engine(name, monkeypatch):
     run = TargetRunner(model)
     ws = run.lean.weights()
     assert all(rowgemm.blocks_of(w) is not None for w in ws)  # the fused q/k/v and gate/up carry blocks too
+    if name == "mixed":  # widened to one type each: q/k/v Q8_0, gate/up Q5_1
+        assert [rowgemm.blocks_of(w).type_name for w in ws[:4]] == ["Q8_0", "Q4_0", "Q5_1", "Q5_0"]
     for w in ws:
         x = torch.randn(3, w.shape[1])
         with rowgemm.using_plan(rowgemm.forced("block")):

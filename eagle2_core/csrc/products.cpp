@@ -40,6 +40,7 @@ struct F32 {
   static constexpr int STEP = 16;
   static constexpr int NB = 6, RB = 4;  // 24 accumulators + 4 input rows + 1 weight row: 29 of 32 registers
   static constexpr bool BLOCKS = false;
+  static constexpr bool PAIRS = false;  // whether `read2` rebuilds a 32-value group at once (block types)
   struct Row { v16 v; };
   using X = Row;
   static inline int64_t row_bytes(int64_t k_len) { return k_len * 4; }
@@ -52,6 +53,7 @@ struct BF16 {
   static constexpr int STEP = 32;
   static constexpr int NB = 4, RB = 4;  // 16 accumulators + 8 input halves + 2 weight halves
   static constexpr bool BLOCKS = false;
+  static constexpr bool PAIRS = false;
   struct Row { v16 even, odd; };
   using X = Row;
   static inline int64_t row_bytes(int64_t k_len) { return k_len * 2; }
@@ -92,6 +94,24 @@ inline float f16(const uint8_t* p) {  // exact: every fp16 is a float32
   return c10::detail::fp16_ieee_to_fp32_value(h);
 #endif
 }
+// An fp16 scale in all 16 lanes, converted as a vector (vcvtph2ps): the scalar conversion
+// (vcvtsh2ss) writes only the low lane of a register and so waits on that register's previous
+// value, which chained every block's rebuilding to the one before it (a third of the speed at one
+// input row). The same values: every fp16 is a float32.
+inline v16 splat16(const uint8_t* p) {
+#if defined(__AVX512F__)
+  short h;
+  std::memcpy(&h, p, 2);
+  const __m512 r = _mm512_cvtph_ps(_mm256_set1_epi16(h));
+  v16 v;
+  std::memcpy(&v, &r, 64);
+  return v;
+#else
+  const float f = f16(p);
+  return (v16){f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f};
+#endif
+}
+
 // 16 bytes widened to 16 int lanes, zero- or sign-extended. The one place we name the machine's
 // instructions: GCC builds the generic form a lane at a time through memory, which made the
 // block product 5x slower than the float32 one it is meant to beat; the generic loop stays as
@@ -134,28 +154,73 @@ inline void scale_min_k4(const uint8_t* q, int j, int& sc, int& mn) {
   }
 }
 
+// Table lookups: a 4-bit value q picks the rebuilt weight from the 16 a block can hold, computed
+// once per block by the same arithmetic `read` runs per value (so the same bits), in one permute
+// where the rebuilding took a conversion and a multiply-add per value (AVX-512: vpermps takes the
+// index's low 4 bits, vpermt2ps its low 5). Elsewhere the arithmetic form runs.
+#if defined(__AVX512F__)
+inline __m512 as_m(v16 v) { __m512 m; std::memcpy(&m, &v, 64); return m; }
+inline __m512i as_mi(i32x16 v) { __m512i m; std::memcpy(&m, &v, 64); return m; }
+inline v16 as_v(__m512 m) { v16 v; std::memcpy(&v, &m, 64); return v; }
+inline v16 lookup16(v16 table, i32x16 idx) { return as_v(_mm512_permutexvar_ps(as_mi(idx), as_m(table))); }
+inline v16 lookup32(v16 lo, v16 hi, i32x16 idx) { return as_v(_mm512_permutex2var_ps(as_m(lo), as_mi(idx), as_m(hi))); }
+#define EAGLE2_LOOKUP 1
+#else
+#define EAGLE2_LOOKUP 0
+#endif
+const i32x16 IOTA16 = IOTA + 16;
+
 template <int BLOCK, int BYTES>
 struct Blocks : F32 {  // F32's step, tile and fma; only the weights' bytes differ
   static constexpr int NB = 4, RB = 4;  // 16 accumulators: the rebuilding needs registers of its own
   static constexpr bool BLOCKS = true;
+  static constexpr bool PAIRS = BLOCK == 32;  // read2: both halves of a 32-value block, its scales read once
   static inline int64_t row_bytes(int64_t k_len) { return k_len / BLOCK * BYTES; }
 };
 struct Q8_0 : Blocks<32, 34> {  // d, 32 x int8: x * d
   static inline Row read(const uint8_t* row, int64_t k) {
     const uint8_t* b = row + (k >> 5) * 34;
-    return {to_f(i8_lanes(b + 2 + (k & 16))) * splat(f16(b))};
+    return {to_f(i8_lanes(b + 2 + (k & 16))) * splat16(b)};
+  }
+  static inline void read2(const uint8_t* row, int64_t k, Row& lo, Row& hi) {
+    const uint8_t* b = row + (k >> 5) * 34;
+    const v16 d = splat16(b);
+    lo.v = to_f(i8_lanes(b + 2)) * d;
+    hi.v = to_f(i8_lanes(b + 18)) * d;
   }
 };
 struct Q4_0 : Blocks<32, 18> {  // d, 16 bytes of nibbles (values j and j+16): d * (q - 8)
   static inline Row read(const uint8_t* row, int64_t k) {
     const uint8_t* b = row + (k >> 5) * 18;
-    return {splat(f16(b)) * (to_f(nibbles(b + 2, k & 16)) - 8.0f)};
+    return {splat16(b) * (to_f(nibbles(b + 2, k & 16)) - 8.0f)};
+  }
+  static inline void read2(const uint8_t* row, int64_t k, Row& lo, Row& hi) {
+    const uint8_t* b = row + (k >> 5) * 18;
+#if EAGLE2_LOOKUP
+    const v16 table = splat16(b) * (to_f(IOTA) - 8.0f);
+    const i32x16 q = u8_lanes(b + 2);
+    lo.v = lookup16(table, q);
+    hi.v = lookup16(table, q >> 4);
+#else
+    lo = read(row, k), hi = read(row, k + 16);
+#endif
   }
 };
 struct Q4_1 : Blocks<32, 20> {  // d, m, nibbles: (d * q) + m
   static inline Row read(const uint8_t* row, int64_t k) {
     const uint8_t* b = row + (k >> 5) * 20;
-    return {splat(f16(b)) * to_f(nibbles(b + 4, k & 16)) + f16(b + 2)};
+    return {splat16(b) * to_f(nibbles(b + 4, k & 16)) + splat16(b + 2)};
+  }
+  static inline void read2(const uint8_t* row, int64_t k, Row& lo, Row& hi) {
+    const uint8_t* b = row + (k >> 5) * 20;
+#if EAGLE2_LOOKUP
+    const v16 table = splat16(b) * to_f(IOTA) + splat16(b + 2);
+    const i32x16 q = u8_lanes(b + 4);
+    lo.v = lookup16(table, q);
+    hi.v = lookup16(table, q >> 4);
+#else
+    lo = read(row, k), hi = read(row, k + 16);
+#endif
   }
 };
 // Q5_0 / Q5_1: a fifth bit per value in a 32-bit word (bit j for value j)
@@ -165,16 +230,57 @@ inline v16 five_bits(const uint8_t* b_qh, const uint8_t* b_qs, int64_t k) {
   const i32x16 high = ((i32x16{} + static_cast<int>((qh >> (k & 16)) & 0xFFFF)) >> IOTA) & 1;
   return to_f(nibbles(b_qs, k & 16) | (high << 4));
 }
+#if EAGLE2_LOOKUP
+// the 32 five-bit indices of a Q5 block: nibbles, with 16 added where the block's bit j is set
+inline void five_bit_indices(const uint8_t* b_qh, const uint8_t* b_qs, i32x16& lo, i32x16& hi) {
+  uint32_t qh;
+  std::memcpy(&qh, b_qh, 4);
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b_qs)));
+  const __m512i sixteen = _mm512_set1_epi32(16);
+  const __m512i l = _mm512_and_si512(q, _mm512_set1_epi32(15)), h = _mm512_srli_epi32(q, 4);
+  const __m512i L = _mm512_mask_or_epi32(l, static_cast<__mmask16>(qh & 0xFFFF), l, sixteen);
+  const __m512i H = _mm512_mask_or_epi32(h, static_cast<__mmask16>(qh >> 16), h, sixteen);
+  std::memcpy(&lo, &L, 64);
+  std::memcpy(&hi, &H, 64);
+}
+#endif
 struct Q5_0 : Blocks<32, 22> {  // d, qh, nibbles: d * (q - 16)
   static inline Row read(const uint8_t* row, int64_t k) {
     const uint8_t* b = row + (k >> 5) * 22;
-    return {splat(f16(b)) * (five_bits(b + 2, b + 6, k) - 16.0f)};
+    return {splat16(b) * (five_bits(b + 2, b + 6, k) - 16.0f)};
+  }
+  static inline void read2(const uint8_t* row, int64_t k, Row& lo, Row& hi) {
+    const uint8_t* b = row + (k >> 5) * 22;
+#if EAGLE2_LOOKUP
+    const v16 d = splat16(b);
+    const v16 t0 = d * (to_f(IOTA) - 16.0f), t1 = d * (to_f(IOTA16) - 16.0f);
+    i32x16 il, ih;
+    five_bit_indices(b + 2, b + 6, il, ih);
+    lo.v = lookup32(t0, t1, il);
+    hi.v = lookup32(t0, t1, ih);
+#else
+    lo = read(row, k), hi = read(row, k + 16);
+#endif
   }
 };
 struct Q5_1 : Blocks<32, 24> {  // d, m, qh, nibbles: (d * q) + m
   static inline Row read(const uint8_t* row, int64_t k) {
     const uint8_t* b = row + (k >> 5) * 24;
-    return {splat(f16(b)) * five_bits(b + 4, b + 8, k) + f16(b + 2)};
+    return {splat16(b) * five_bits(b + 4, b + 8, k) + splat16(b + 2)};
+  }
+  static inline void read2(const uint8_t* row, int64_t k, Row& lo, Row& hi) {
+    const uint8_t* b = row + (k >> 5) * 24;
+#if EAGLE2_LOOKUP
+    const v16 d = splat16(b);
+    const v16 m = splat16(b + 2);
+    const v16 t0 = d * to_f(IOTA) + m, t1 = d * to_f(IOTA16) + m;
+    i32x16 il, ih;
+    five_bit_indices(b + 4, b + 8, il, ih);
+    lo.v = lookup32(t0, t1, il);
+    hi.v = lookup32(t0, t1, ih);
+#else
+    lo = read(row, k), hi = read(row, k + 16);
+#endif
   }
 };
 struct Q4_K : Blocks<256, 144> {  // d, dmin, 12 scale bytes, 128 nibble bytes: (d * sc) * q - dmin * m
@@ -183,8 +289,8 @@ struct Q4_K : Blocks<256, 144> {  // d, dmin, 12 scale bytes, 128 nibble bytes: 
     const int v = k & 255, j = v >> 5;
     int sc, mn;
     scale_min_k4(b + 4, j, sc, mn);
-    const float d = f16(b) * float(sc), dm = f16(b + 2) * float(mn);
-    return {splat(d) * to_f(nibbles(b + 16 + 32 * (j >> 1) + (v & 16), j & 1)) - dm};
+    const v16 d = splat16(b) * splat(float(sc)), dm = splat16(b + 2) * splat(float(mn));
+    return {d * to_f(nibbles(b + 16 + 32 * (j >> 1) + (v & 16), j & 1)) - dm};
   }
 };
 struct Q5_K : Blocks<256, 176> {  // d, dmin, 12 scale bytes, 32 high-bit bytes, 128 nibble bytes
@@ -193,9 +299,9 @@ struct Q5_K : Blocks<256, 176> {  // d, dmin, 12 scale bytes, 32 high-bit bytes,
     const int v = k & 255, j = v >> 5;
     int sc, mn;
     scale_min_k4(b + 4, j, sc, mn);
-    const float d = f16(b) * float(sc), dm = f16(b + 2) * float(mn);
+    const v16 d = splat16(b) * splat(float(sc)), dm = splat16(b + 2) * splat(float(mn));
     const i32x16 high = (u8_lanes(b + 16 + (v & 16)) >> j) & 1;  // bit j of qh[i]: sub-block j's fifth bits
-    return {splat(d) * to_f(nibbles(b + 48 + 32 * (j >> 1) + (v & 16), j & 1) | (high << 4)) - dm};
+    return {d * to_f(nibbles(b + 48 + 32 * (j >> 1) + (v & 16), j & 1) | (high << 4)) - dm};
   }
 };
 struct Q6_K : Blocks<256, 210> {  // 128 low-nibble bytes, 64 two-bit bytes, 16 int8 scales, d: (d * sc) * (q - 32)
@@ -205,8 +311,8 @@ struct Q6_K : Blocks<256, 210> {  // 128 low-nibble bytes, 64 two-bit bytes, 16 
     const i32x16 lo = nibbles(b + 64 * h + (m & 63), m >= 64);
     const i32x16 hi = (u8_lanes(b + 128 + 32 * h + (m & 31)) >> (2 * (m >> 5))) & 3;
     const i32x16 q = (lo | (hi << 4)) - 32;
-    const float d = f16(b + 208) * float(static_cast<int8_t>(b[192 + (v >> 4)]));
-    return {splat(d) * to_f(q)};
+    const v16 d = splat16(b + 208) * splat(float(static_cast<int8_t>(b[192 + (v >> 4)])));
+    return {d * to_f(q)};
   }
 };
 
@@ -252,20 +358,47 @@ inline void tile(const uint8_t* w, int64_t k_len, const float* x, int64_t ldx, f
   v16 acc[T];
   for (int i = 0; i < T; ++i) acc[i] = v16{};
   const char* next = pf.at;  // a local copy: the reference would be written back every step
-  for (int64_t k = 0; k < k_len; k += K::STEP) {
-    if (next < pf.end) {
-      for (int p = 0; p < pf.per_step; ++p) __builtin_prefetch(next + 64 * p, 0, 2);
-      next += 64 * pf.per_step;
+  if constexpr (K::PAIRS) {
+    // a 32-value block at a time (read2: its scales and lookup table made once), each accumulator
+    // taking the block's first 16 products and then its last 16: the order of the step-by-step
+    // loop below, so the same bits
+    for (int64_t k = 0; k < k_len; k += 2 * K::STEP) {
+      if (next < pf.end) {
+        for (int p = 0; p < 2 * pf.per_step; ++p) __builtin_prefetch(next + 64 * p, 0, 2);
+        next += 128 * pf.per_step;
+      }
+      typename K::X xs[RB], xh[RB];
+      for (int b = 0; b < RB; ++b) {
+        xs[b] = K::read_x(x + b * ldx + k);
+        xh[b] = K::read_x(x + b * ldx + k + K::STEP);
+      }
+      for (int a = 0; a < NB; ++a) {
+        typename K::Row lo, hi;
+        K::read2(w + a * rb, k, lo, hi);
+        in_register(lo);
+        in_register(hi);
+        for (int b = 0; b < RB; ++b) {
+          K::fma(acc[a * RB + b], lo, xs[b]);
+          K::fma(acc[a * RB + b], hi, xh[b]);
+        }
+      }
     }
-    typename K::X xs[RB];
-    for (int b = 0; b < RB; ++b) {
-      xs[b] = K::read_x(x + b * ldx + k);
-      in_register(xs[b]);
-    }
-    for (int a = 0; a < NB; ++a) {
-      typename K::Row wa = K::read(w + a * rb, k);
-      in_register(wa);
-      for (int b = 0; b < RB; ++b) K::fma(acc[a * RB + b], wa, xs[b]);
+  } else {
+    for (int64_t k = 0; k < k_len; k += K::STEP) {
+      if (next < pf.end) {
+        for (int p = 0; p < pf.per_step; ++p) __builtin_prefetch(next + 64 * p, 0, 2);
+        next += 64 * pf.per_step;
+      }
+      typename K::X xs[RB];
+      for (int b = 0; b < RB; ++b) {
+        xs[b] = K::read_x(x + b * ldx + k);
+        in_register(xs[b]);
+      }
+      for (int a = 0; a < NB; ++a) {
+        typename K::Row wa = K::read(w + a * rb, k);
+        in_register(wa);
+        for (int b = 0; b < RB; ++b) K::fma(acc[a * RB + b], wa, xs[b]);
+      }
     }
   }
   pf.at = next;
@@ -300,6 +433,21 @@ inline void single(const uint8_t* w, int64_t k_len, const float* x, float* y) {
   *y = lane_sum(acc);
 }
 
+// One weight row rebuilt into float32 (the values `read` gives, 32 at a time where read2 does).
+template <typename K>
+inline void rebuild_row(const uint8_t* w, int64_t k_len, float* out) {
+  if constexpr (K::PAIRS) {
+    for (int64_t k = 0; k < k_len; k += 2 * K::STEP) {
+      typename K::Row lo, hi;
+      K::read2(w, k, lo, hi);
+      store(out + k, lo.v);
+      store(out + k + K::STEP, hi.v);
+    }
+  } else {
+    for (int64_t k = 0; k < k_len; k += K::STEP) store(out + k, K::read(w, k).v);
+  }
+}
+
 // Block weights under many input rows: each block of NB weight rows is rebuilt once into float32
 // scratch (a few KB, in L1) and F32's tiles run over it. The same floats in the same fixed order
 // per output, so the same bits as rebuilding inside every tile, at a quarter of the rebuilding.
@@ -312,8 +460,7 @@ void run_rebuilt(const uint8_t* W, int64_t N, int64_t k_len, const float* X, int
     const uint8_t* src = scratch.empty() ? nullptr : reinterpret_cast<const uint8_t*>(scratch.data());
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* w = W + t * NB * rb;
-      for (int a = 0; a < NB; ++a)
-        for (int64_t k = 0; k < k_len; k += K::STEP) store(scratch.data() + a * k_len + k, K::read(w + a * rb, k).v);
+      for (int a = 0; a < NB; ++a) rebuild_row<K>(w + a * rb, k_len, scratch.data() + a * k_len);
       const char* next = reinterpret_cast<const char*>(w + NB * rb);
       Prefetch pf{next, t + 1 < t1 ? next + NB * rb : next, 1};
       float* y = Y + t * NB;
@@ -433,8 +580,7 @@ static void rebuild_rows(const uint8_t* W, int64_t k_len, const int64_t* idx, in
   const int64_t rb = K::row_bytes(k_len);
   at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* w = W + (idx ? idx[r] : r) * rb;
-      for (int64_t k = 0; k < k_len; k += K::STEP) store(out + r * k_len + k, K::read(w, k).v);
+      rebuild_row<K>(W + (idx ? idx[r] : r) * rb, k_len, out + r * k_len);
     }
   });
 }
