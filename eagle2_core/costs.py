@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from . import leanbody, rowgemm
+from . import leanbody, native, rowgemm
 from .treesettings import BATCH_DEPTH, BATCH_TOP_K
 
 # Every small size: row counts of one parity can cost more than the next larger one (oneDNN's
@@ -132,7 +132,7 @@ def profile_key(model, head) -> dict:
     return {"version": PROFILE_VERSION, "model": hashlib.sha1(cfg.encode()).hexdigest()[:16], "dtype": str(w.dtype).replace("torch.", ""),
             "device": str(w.device), "device_name": _device_name(w.device), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "body": _body_label(TargetRunner(model)),
+            "body": _body_label(TargetRunner(model)), "kernels": native.source_digest(),
             "blocks": sorted({b.type_name for b in map(rowgemm.blocks_of, model.parameters()) if b is not None})
                       + (["floatless"] if any(map(rowgemm.floatless, model.parameters())) else []),
             "head": None if head is None else f"{getattr(head, 'kind', 'eagle2')}:{head.spec.hidden_size}:{head_draft_rows(head)}"}

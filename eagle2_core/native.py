@@ -91,6 +91,16 @@ def _clear_stale_lock(folder: Path) -> bool:
     return True
 
 
+def source_digest() -> str:
+    """A digest of the C++ sources: measured costs (costs.profile_key) are kept for one build of
+    these kernels, so a changed kernel is measured again rather than planned from old timings."""
+    h = hashlib.sha1()
+    for path in sorted(CSRC.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def module():
     """The built module, or None where no build works here."""
     if "module" not in _STATE and "error" not in _STATE:
