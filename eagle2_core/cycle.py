@@ -121,6 +121,7 @@ class Cycle:
         self.k, self.depth = max(1, tree.top_k), max(1, tree.depth)
         # the head-free draft sources (sources.py) run on the host: live mode's dynamic trees only
         self.sources = sources if sources is not None and sources.head_free and not fixed and tree.shape == "dynamic" else None
+        self.sources_on = self.sources is not None  # False while a run decodes plain (stop_drafting)
         if head is None:
             self.n_max = 1
         elif tree.shape == "dynamic":
@@ -148,6 +149,10 @@ class Cycle:
         self.counter = None       # opcount.OpCounter while counting
         self.absorb = 1           # live mode: the widest row of new pairs (accepted + 1, from the read-back)
         self.merge_s = 0.0        # the last merge's host time (sources.py), not a head step
+        # host time after the last cycle's read-back (the sources' and the budget's bookkeeping of
+        # what was verified): charged to the next cycle's drafting, so that the budget's
+        # `drafting_pays` compares a drafting cycle's whole cost with a plain one's
+        self.tail_s = 0.0
         # merged cycles' evidence of what the head adds (budget.BudgetChooser.head_pays), kept across
         # runs like the chooser's: a later run (a chat's next turn) drafts one cycle with the head,
         # adding its evidence, and goes on without it where it has not paid
@@ -192,18 +197,31 @@ class Cycle:
         st.seq_len.zero_()
         self.host_len = [0] * self.batch  # idle rows keep their lengths (their cells stay inside the view)
         self.speculative = self.hcache is not None
+        self.sources_on = self.sources is not None
         if st.new_tokens.shape[1] != self.width:  # a run that went plain left one-token rows
             st.new_tokens = torch.zeros(self.batch, self.width, dtype=torch.long, device=self.run.device)
 
     @property
     def drafting(self) -> bool:
         """Whether trees have more than the root: the head drafts, or head-free sources do."""
-        return self.speculative or self.sources is not None
+        return self.speculative or self.sources_on
 
-    def stop_drafting(self) -> None:
+    def stop_drafting(self, head_only: bool = True) -> None:
         """No head drafting for the rest of this run: it was measured not to pay. Head-free sources
-        cost no draft step and go on; the per-cycle budget still verifies only what pays."""
+        cost no draft step and go on; the per-cycle budget still verifies only what pays. With
+        `head_only` False, no drafting at all (plain cycles) until `resume_sources`: the run's
+        drafted cycles, their bookkeeping included, gave fewer tokens per ms than plain ones."""
         self.speculative = False
+        if not head_only:
+            self.sources_on = False
+
+    def resume_sources(self) -> bool:
+        """Head-free drafting on again after `stop_drafting(head_only=False)` (a new request joined
+        the run: its text may copy where the last did not). Whether anything changed."""
+        if self.sources is None or self.sources_on:
+            return False
+        self.sources_on = True
+        return True
 
     def ensure_capacity(self, need: int) -> None:
         cap = self._capacity(min(need, self.run.max_positions))
@@ -501,7 +519,7 @@ class Cycle:
         hidden, feats = self.forward_tree(tokens, depth, anc, seq_len)
         b, n = tokens.shape
         logits = self.run.logits(hidden.reshape(b * n, -1))
-        if self.sources is not None:  # live mode only (never captured): the recycling table learns every busy row
+        if self.sources_on:  # live mode only (never captured): the recycling table learns every busy row
             busy = self.state.active[:, None].expand(b, n).reshape(-1)
             return self.sources.argmax_noted(tokens, logits, busy).view(b, n), feats
         return logits.argmax(-1).view(b, n), feats
@@ -550,7 +568,7 @@ class Cycle:
         idx = need.flatten().nonzero().flatten()
         if idx.numel():
             logits = self.run.logits(hidden.reshape(b * n, -1)[idx])
-            argmax.view(-1)[idx] = (self.sources.argmax_noted(tokens.reshape(-1)[idx], logits) if self.sources is not None
+            argmax.view(-1)[idx] = (self.sources.argmax_noted(tokens.reshape(-1)[idx], logits) if self.sources_on
                                     else logits.argmax(-1))
         sampled = {}
         for i, s in enumerate(self.slots):
@@ -584,7 +602,7 @@ class Cycle:
 
     def _scored(self, slot: Slot, hidden, tree, nodes):
         logits = self.run.logits(hidden)
-        if self.sources is not None and tree is not None:
+        if self.sources_on and tree is not None:
             self.sources.note_logits(tree.tokens if nodes is None else tree.tokens[nodes], logits)
         if slot.procs is not None and slot.procs.active:
             hist = torch.tensor(slot.prompt + slot.tokens[:-1], dtype=torch.long, device=hidden.device)  # every token before the root
@@ -628,7 +646,7 @@ class Cycle:
         if self.speculative:
             tokens, parents, depth, anc, scores, st.head_len = self._call(
                 "draft", self._draft, st.new_tokens, st.new_features, st.head_len, st.n_new, st.root, st.active)
-        elif self.sources is not None:  # no head (or it stopped paying): the head-free sources alone
+        elif self.sources_on:  # no head (or it stopped paying): the head-free sources alone
             if self.policy is not None:
                 self.policy.begin(st.active, self.busy == b, steps=0)
             tokens, parents, depth, anc, scores = self._call("draft", self.merge, None, None, None, st.root)
@@ -640,7 +658,8 @@ class Cycle:
         t1 = time.perf_counter()
         n = tokens.shape[1]
         state = (st.seq_len, st.root, st.n_new, st.new_features, st.active)
-        if self.one_product and not any(s is not None and s.host_side for s in self.slots):
+        # a root alone (a plain cycle) is one product whatever the lm_head plan for trees
+        if (self.one_product or (n == 1 and not self.backend)) and not any(s is not None and s.host_side for s in self.slots):
             path, *new = self._call("verify", self._verify, tokens, parents, depth, anc, *state)
         else:
             def host():
@@ -653,7 +672,8 @@ class Cycle:
         values = self.read_back(readout)
         self.absorb = 1 + max(v[0] for v, s in zip(values, self.slots) if s is not None)
         t2 = time.perf_counter()
-        self.last = {"tree": n, "draft_s": t1 - t0, "verify_s": t2 - t1, "busy": self.busy, "batch": b}
+        tail, self.tail_s = self.tail_s if n > 1 or self.speculative else 0.0, 0.0
+        self.last = {"tree": n, "draft_s": t1 - t0 + tail, "verify_s": t2 - t1, "busy": self.busy, "batch": b}
         out = []
         for i, s in enumerate(self.slots):
             if s is None:
@@ -669,11 +689,13 @@ class Cycle:
                 h = self.head_tally
                 h["cycles"] += 1
                 h["tokens"] += sum(values[i][0] + 1 for i in busy)
-                h["ms"] += 1000 * (t2 - t0)
+                h["ms"] += 1000 * (t2 - t0 + tail)
                 h["head_tokens"] += only_head
                 h["head_ms"] += 1000 * max(0.0, t1 - t0 - self.merge_s)
         if scores is not None and (self.policy is not None or self.record_confidence):
-            self._observe(scores, path, [v[0] for v in values], t1 - t0, t2 - t1)
+            self._observe(scores, path, [v[0] for v in values], t1 - t0 + tail, t2 - t1)
+        if self.drafting:
+            self.tail_s = time.perf_counter() - t2
         return out
 
     def _head_raw(self, busy: list[int], n: int):

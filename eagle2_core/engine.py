@@ -216,6 +216,8 @@ class Engine:
                             deferred.append(req)
                             continue
                         root = cycle.admit(b, req.ids, slot, pick_fn(slot), kept, reuse)
+                        if cycle.resume_sources() and self.chooser is not None:
+                            self.chooser.start_run(cycle.batch)  # the new request's text is judged afresh
                         if chunked.pop(id(req), None) is not None and self.prefix is None:
                             self._chunks.discard(req.ids)  # its chunks served their purpose
                         slot.started = part[2]
@@ -239,11 +241,17 @@ class Engine:
                     self.heartbeat = time.time()
                     n = cycle.last["tree"]
                     self.stats["tree_sizes"][n] = self.stats["tree_sizes"].get(n, 0) + 1
-                    if self.chooser is not None and cycle.speculative and not (
-                            self.chooser.drafting_pays and self.chooser.head_pays(cycle.head_tally)):
-                        # measured: drafting does not pay here (a useless head costs little), or the
-                        # head does not pay beside the head-free sources, which go on (sources.py)
+                    if self.chooser is not None and cycle.drafting and not self.chooser.drafting_pays:
+                        # measured over this run's drafted cycles, their host work included: plain
+                        # cycles give more tokens per ms (section 3's trade, settled by the clock)
+                        cycle.stop_drafting(head_only=False)
+                        self.stats["plain_from_cycle"] = self.stats["cycles"]
+                        self.drafting_paid = False
+                    elif self.chooser is not None and cycle.speculative and not self.chooser.head_pays(cycle.head_tally):
+                        # the head does not pay beside the head-free sources, which go on alone
+                        # (sources.py) and are judged afresh
                         cycle.stop_drafting()
+                        self.chooser.start_run(cycle.batch)
                         self.stats["plain_from_cycle"] = self.stats["cycles"]
                         self.drafting_paid = False
                     for b, toks, accepted in rows:

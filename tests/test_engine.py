@@ -576,6 +576,28 @@ def test_a_random_head_stops_drafting_and_stays_lossless(llama, batch):
     assert stats["tree_sizes"].get(1, 0) > stats["cycles"] // 2  # most cycles ran plain
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_head_free_drafting_that_does_not_pay_goes_plain_and_stays_lossless(llama, batch, monkeypatch):
+    """The run-level check covers every draft source: where the drafted cycles (their host work
+    included) give fewer tokens per ms than plain ones, the run decodes plain (no tree, no
+    sources' bookkeeping), and drafting resumes for a request that joins later; the text is the
+    target's throughout. `drafting_pays` is pinned (true for a run's first 3 cycles) so the test
+    does not hang on this machine's timings."""
+    from eagle2_core.budget import BudgetChooser
+
+    model, cases = llama["model"], llama["cases"]
+    engine = make_engine(model, None, "headfree", batch)
+    monkeypatch.setattr(BudgetChooser, "drafting_pays", property(lambda self: self.run_cycles < 3))
+    out = run_all(engine, requests(cases))
+    assert [out[i][0] for i in range(len(cases))] == [c["ref"] for c in cases]
+    stats = engine.stats
+    assert stats["plain_from_cycle"] is not None
+    assert stats["tree_sizes"].get(1, 0) > stats["cycles"] // 2  # most cycles ran plain
+    drafted = sum(v for k, v in stats["tree_sizes"].items() if k > 1)
+    if batch == 1:  # each request that joins resumes drafting for 3 cycles (fewer where a tree was chosen at 1 node)
+        assert 3 < drafted <= 3 * len(cases)
+
+
 @pytest.mark.parametrize("mode", ["live", "plain"])
 def test_a_run_sizes_its_cache_once(tiny_lm, fitted_head, monkeypatch, mode):
     """A run's cache is made at the size its longest request needs, so no admit grows it: growing
