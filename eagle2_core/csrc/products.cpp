@@ -139,6 +139,9 @@ inline i32x16 u8_lanes(const uint8_t* p) { return lanes<false>(p); }
 inline i32x16 i8_lanes(const uint8_t* p) { return lanes<true>(p); }
 inline v16 to_f(i32x16 v) { return __builtin_convertvector(v, v16); }  // exact: every value is a small integer
 inline v16 splat(float f) { return (v16){f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f}; }
+// a small integer in all lanes as float32, converted as a vector (exact; no scalar vcvtsi2ss,
+// which waits on its register's previous value as vcvtsh2ss does: splat16)
+inline v16 splat_int(int v) { return to_f(i32x16{} + v); }
 // the 16 low or high nibbles of 16 bytes (the first or second half of a 32-value group)
 inline i32x16 nibbles(const uint8_t* p, bool high) { return (u8_lanes(p) >> (high ? 4 : 0)) & 15; }
 const i32x16 IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -289,8 +292,25 @@ struct Q4_K : Blocks<256, 144> {  // d, dmin, 12 scale bytes, 128 nibble bytes: 
     const int v = k & 255, j = v >> 5;
     int sc, mn;
     scale_min_k4(b + 4, j, sc, mn);
-    const v16 d = splat16(b) * splat(float(sc)), dm = splat16(b + 2) * splat(float(mn));
+    const v16 d = splat16(b) * splat_int(sc), dm = splat16(b + 2) * splat_int(mn);
     return {d * to_f(nibbles(b + 16 + 32 * (j >> 1) + (v & 16), j & 1)) - dm};
+  }
+  static constexpr bool PAIRS = true;  // a sub-block of 32 values shares its scale and minimum
+  static inline void read2(const uint8_t* row, int64_t k, Row& lo, Row& hi) {
+#if EAGLE2_LOOKUP
+    const uint8_t* b = row + (k >> 8) * 144;
+    const int j = (k & 255) >> 5;
+    int sc, mn;
+    scale_min_k4(b + 4, j, sc, mn);
+    const v16 d = splat16(b) * splat_int(sc), dm = splat16(b + 2) * splat_int(mn);
+    const v16 table = d * to_f(IOTA) - dm;
+    const uint8_t* q = b + 16 + 32 * (j >> 1);
+    const int shift = 4 * (j & 1);
+    lo.v = lookup16(table, u8_lanes(q) >> shift);
+    hi.v = lookup16(table, u8_lanes(q + 16) >> shift);
+#else
+    lo = read(row, k), hi = read(row, k + 16);
+#endif
   }
 };
 struct Q5_K : Blocks<256, 176> {  // d, dmin, 12 scale bytes, 32 high-bit bytes, 128 nibble bytes
@@ -299,9 +319,28 @@ struct Q5_K : Blocks<256, 176> {  // d, dmin, 12 scale bytes, 32 high-bit bytes,
     const int v = k & 255, j = v >> 5;
     int sc, mn;
     scale_min_k4(b + 4, j, sc, mn);
-    const v16 d = splat16(b) * splat(float(sc)), dm = splat16(b + 2) * splat(float(mn));
+    const v16 d = splat16(b) * splat_int(sc), dm = splat16(b + 2) * splat_int(mn);
     const i32x16 high = (u8_lanes(b + 16 + (v & 16)) >> j) & 1;  // bit j of qh[i]: sub-block j's fifth bits
     return {d * to_f(nibbles(b + 48 + 32 * (j >> 1) + (v & 16), j & 1) | (high << 4)) - dm};
+  }
+  static constexpr bool PAIRS = true;
+  static inline void read2(const uint8_t* row, int64_t k, Row& lo, Row& hi) {
+#if EAGLE2_LOOKUP
+    const uint8_t* b = row + (k >> 8) * 176;
+    const int j = (k & 255) >> 5;
+    int sc, mn;
+    scale_min_k4(b + 4, j, sc, mn);
+    const v16 d = splat16(b) * splat_int(sc), dm = splat16(b + 2) * splat_int(mn);
+    const v16 t0 = d * to_f(IOTA) - dm, t1 = d * to_f(IOTA16) - dm;
+    const uint8_t* q = b + 48 + 32 * (j >> 1);
+    const int shift = 4 * (j & 1);
+    const i32x16 il = ((u8_lanes(q) >> shift) & 15) | (((u8_lanes(b + 16) >> j) & 1) << 4);
+    const i32x16 ih = ((u8_lanes(q + 16) >> shift) & 15) | (((u8_lanes(b + 32) >> j) & 1) << 4);
+    lo.v = lookup32(t0, t1, il);
+    hi.v = lookup32(t0, t1, ih);
+#else
+    lo = read(row, k), hi = read(row, k + 16);
+#endif
   }
 };
 struct Q6_K : Blocks<256, 210> {  // 128 low-nibble bytes, 64 two-bit bytes, 16 int8 scales, d: (d * sc) * (q - 32)
@@ -311,8 +350,21 @@ struct Q6_K : Blocks<256, 210> {  // 128 low-nibble bytes, 64 two-bit bytes, 16 
     const i32x16 lo = nibbles(b + 64 * h + (m & 63), m >= 64);
     const i32x16 hi = (u8_lanes(b + 128 + 32 * h + (m & 31)) >> (2 * (m >> 5))) & 3;
     const i32x16 q = (lo | (hi << 4)) - 32;
-    const v16 d = splat16(b + 208) * splat(float(static_cast<int8_t>(b[192 + (v >> 4)])));
+    const v16 d = splat16(b + 208) * splat_int(static_cast<int8_t>(b[192 + (v >> 4)]));
     return {d * to_f(q)};
+  }
+  static constexpr bool PAIRS = true;  // 32 values: d read once, two 16-value sub-block scales
+  static inline void read2(const uint8_t* row, int64_t k, Row& lo, Row& hi) {
+    const uint8_t* b = row + (k >> 8) * 210;
+    const int v = k & 255, h = v >> 7, m = v & 127;
+    const v16 d = splat16(b + 208);
+    const uint8_t* ql = b + 64 * h + (m & 63);
+    const uint8_t* qh = b + 128 + 32 * h + (m & 31);
+    const int nib = m >= 64 ? 4 : 0, two = 2 * (m >> 5);
+    const i32x16 q0 = (((u8_lanes(ql) >> nib) & 15) | (((u8_lanes(qh) >> two) & 3) << 4)) - 32;
+    const i32x16 q1 = (((u8_lanes(ql + 16) >> nib) & 15) | (((u8_lanes(qh + 16) >> two) & 3) << 4)) - 32;
+    lo.v = d * splat_int(static_cast<int8_t>(b[192 + (v >> 4)])) * to_f(q0);
+    hi.v = d * splat_int(static_cast<int8_t>(b[193 + (v >> 4)])) * to_f(q1);
   }
 };
 
