@@ -12,6 +12,14 @@ llama.cpp is a benchmark here, not a dependency of the tool. Install it built fo
 instruction set (a few minutes on 2 cores):
 
     CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36
+
+On a VM whose CPU lists AMX but does not grant the tile state (seen on an AMX Xeon VM: any prompt
+of more than one token dies with SIGILL on `tilezero` in ggml_backend_amx_mul_mat), build it
+without AMX and with every other instruction set the CPU has:
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+      -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON \
+      -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" pip install --force-reinstall --no-deps llama-cpp-python==0.3.36
     python3 benchmarks/llamacpp_bench.py --prompts 16 --max-new-tokens 96 --json llamacpp.json
     python3 benchmarks/llamacpp_bench.py --prompts 2 --max-new-tokens 8 --formats f32   # dry run
 """
