@@ -90,7 +90,7 @@ def widen(bw: BlockWeight, qtype: int) -> BlockWeight:
         return bw
     if qtype not in WIDER.get(bw.qtype, ()):
         raise ValueError(f"{bw.type_name} does not widen exactly into {BLOCK_SIZES[qtype][0]}")
-    name, block, nbytes = BLOCK_SIZES[qtype]
+    name, _, nbytes = BLOCK_SIZES[qtype]
     raw = bw.blocks.numpy().reshape(-1, BLOCK_SIZES[bw.qtype][2])
     d, q, m = _values32(raw, bw.qtype)
     offset = {2: 8, 6: 16, 3: 0}[bw.qtype]  # the stored value minus this is the integer multiplying d

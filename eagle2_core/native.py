@@ -12,6 +12,7 @@ Python and torch's kernels, and `status()` says why.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -91,6 +92,7 @@ def _clear_stale_lock(folder: Path) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
 def source_digest() -> str:
     """A digest of the C++ sources: measured costs (costs.profile_key) are kept for one build of
     these kernels, so a changed kernel is measured again rather than planned from old timings."""

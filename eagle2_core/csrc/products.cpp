@@ -172,12 +172,28 @@ inline v16 lookup32(v16 lo, v16 hi, i32x16 idx) { return as_v(_mm512_permutex2va
 #define EAGLE2_LOOKUP 0
 #endif
 const i32x16 IOTA16 = IOTA + 16;
+#if EAGLE2_LOOKUP
+// a 32-value group's weights from 16 bytes of nibbles (value j low, value j + 16 high) and its table
+inline void nibble_lookup(v16 table, const uint8_t* qs, v16& lo, v16& hi) {
+  const i32x16 q = u8_lanes(qs);
+  lo = lookup16(table, q);
+  hi = lookup16(table, q >> 4);
+}
+#endif
+
+// Q4_K / Q5_K: sub-block j's (d * sc) and (dmin * m) in every lane
+inline void k_scales(const uint8_t* b, int j, v16& d, v16& dm) {
+  int sc, mn;
+  scale_min_k4(b + 4, j, sc, mn);
+  d = splat16(b) * splat_int(sc);
+  dm = splat16(b + 2) * splat_int(mn);
+}
 
 template <int BLOCK, int BYTES>
 struct Blocks : F32 {  // F32's step, tile and fma; only the weights' bytes differ
   static constexpr int NB = 4, RB = 4;  // 16 accumulators: the rebuilding needs registers of its own
   static constexpr bool BLOCKS = true;
-  static constexpr bool PAIRS = BLOCK == 32;  // read2: both halves of a 32-value block, its scales read once
+  static constexpr bool PAIRS = true;  // read2: 32 values (a block, or a K-quant's sub-block) at once, their scales read once
   static inline int64_t row_bytes(int64_t k_len) { return k_len / BLOCK * BYTES; }
 };
 struct Q8_0 : Blocks<32, 34> {  // d, 32 x int8: x * d
@@ -200,10 +216,7 @@ struct Q4_0 : Blocks<32, 18> {  // d, 16 bytes of nibbles (values j and j+16): d
   static inline void read2(const uint8_t* row, int64_t k, Row& lo, Row& hi) {
     const uint8_t* b = row + (k >> 5) * 18;
 #if EAGLE2_LOOKUP
-    const v16 table = splat16(b) * (to_f(IOTA) - 8.0f);
-    const i32x16 q = u8_lanes(b + 2);
-    lo.v = lookup16(table, q);
-    hi.v = lookup16(table, q >> 4);
+    nibble_lookup(splat16(b) * (to_f(IOTA) - 8.0f), b + 2, lo.v, hi.v);
 #else
     lo = read(row, k), hi = read(row, k + 16);
 #endif
@@ -217,10 +230,7 @@ struct Q4_1 : Blocks<32, 20> {  // d, m, nibbles: (d * q) + m
   static inline void read2(const uint8_t* row, int64_t k, Row& lo, Row& hi) {
     const uint8_t* b = row + (k >> 5) * 20;
 #if EAGLE2_LOOKUP
-    const v16 table = splat16(b) * to_f(IOTA) + splat16(b + 2);
-    const i32x16 q = u8_lanes(b + 4);
-    lo.v = lookup16(table, q);
-    hi.v = lookup16(table, q >> 4);
+    nibble_lookup(splat16(b) * to_f(IOTA) + splat16(b + 2), b + 4, lo.v, hi.v);
 #else
     lo = read(row, k), hi = read(row, k + 16);
 #endif
@@ -234,8 +244,9 @@ inline v16 five_bits(const uint8_t* b_qh, const uint8_t* b_qs, int64_t k) {
   return to_f(nibbles(b_qs, k & 16) | (high << 4));
 }
 #if EAGLE2_LOOKUP
-// the 32 five-bit indices of a Q5 block: nibbles, with 16 added where the block's bit j is set
-inline void five_bit_indices(const uint8_t* b_qh, const uint8_t* b_qs, i32x16& lo, i32x16& hi) {
+// a Q5 block's 32 weights from its 32-entry table (t0: values 0-15, t1: 16-31): each index is the
+// value's nibble, with 16 added where the block's bit j is set
+inline void five_bit_lookup(v16 t0, v16 t1, const uint8_t* b_qh, const uint8_t* b_qs, v16& lo, v16& hi) {
   uint32_t qh;
   std::memcpy(&qh, b_qh, 4);
   const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b_qs)));
@@ -243,8 +254,11 @@ inline void five_bit_indices(const uint8_t* b_qh, const uint8_t* b_qs, i32x16& l
   const __m512i l = _mm512_and_si512(q, _mm512_set1_epi32(15)), h = _mm512_srli_epi32(q, 4);
   const __m512i L = _mm512_mask_or_epi32(l, static_cast<__mmask16>(qh & 0xFFFF), l, sixteen);
   const __m512i H = _mm512_mask_or_epi32(h, static_cast<__mmask16>(qh >> 16), h, sixteen);
-  std::memcpy(&lo, &L, 64);
-  std::memcpy(&hi, &H, 64);
+  i32x16 il, ih;
+  std::memcpy(&il, &L, 64);
+  std::memcpy(&ih, &H, 64);
+  lo = lookup32(t0, t1, il);
+  hi = lookup32(t0, t1, ih);
 }
 #endif
 struct Q5_0 : Blocks<32, 22> {  // d, qh, nibbles: d * (q - 16)
@@ -256,11 +270,7 @@ struct Q5_0 : Blocks<32, 22> {  // d, qh, nibbles: d * (q - 16)
     const uint8_t* b = row + (k >> 5) * 22;
 #if EAGLE2_LOOKUP
     const v16 d = splat16(b);
-    const v16 t0 = d * (to_f(IOTA) - 16.0f), t1 = d * (to_f(IOTA16) - 16.0f);
-    i32x16 il, ih;
-    five_bit_indices(b + 2, b + 6, il, ih);
-    lo.v = lookup32(t0, t1, il);
-    hi.v = lookup32(t0, t1, ih);
+    five_bit_lookup(d * (to_f(IOTA) - 16.0f), d * (to_f(IOTA16) - 16.0f), b + 2, b + 6, lo.v, hi.v);
 #else
     lo = read(row, k), hi = read(row, k + 16);
 #endif
@@ -274,13 +284,8 @@ struct Q5_1 : Blocks<32, 24> {  // d, m, qh, nibbles: (d * q) + m
   static inline void read2(const uint8_t* row, int64_t k, Row& lo, Row& hi) {
     const uint8_t* b = row + (k >> 5) * 24;
 #if EAGLE2_LOOKUP
-    const v16 d = splat16(b);
-    const v16 m = splat16(b + 2);
-    const v16 t0 = d * to_f(IOTA) + m, t1 = d * to_f(IOTA16) + m;
-    i32x16 il, ih;
-    five_bit_indices(b + 4, b + 8, il, ih);
-    lo.v = lookup32(t0, t1, il);
-    hi.v = lookup32(t0, t1, ih);
+    const v16 d = splat16(b), m = splat16(b + 2);
+    five_bit_lookup(d * to_f(IOTA) + m, d * to_f(IOTA16) + m, b + 4, b + 8, lo.v, hi.v);
 #else
     lo = read(row, k), hi = read(row, k + 16);
 #endif
@@ -290,19 +295,16 @@ struct Q4_K : Blocks<256, 144> {  // d, dmin, 12 scale bytes, 128 nibble bytes: 
   static inline Row read(const uint8_t* row, int64_t k) {
     const uint8_t* b = row + (k >> 8) * 144;
     const int v = k & 255, j = v >> 5;
-    int sc, mn;
-    scale_min_k4(b + 4, j, sc, mn);
-    const v16 d = splat16(b) * splat_int(sc), dm = splat16(b + 2) * splat_int(mn);
+    v16 d, dm;
+    k_scales(b, j, d, dm);
     return {d * to_f(nibbles(b + 16 + 32 * (j >> 1) + (v & 16), j & 1)) - dm};
   }
-  static constexpr bool PAIRS = true;  // a sub-block of 32 values shares its scale and minimum
   static inline void read2(const uint8_t* row, int64_t k, Row& lo, Row& hi) {
 #if EAGLE2_LOOKUP
     const uint8_t* b = row + (k >> 8) * 144;
     const int j = (k & 255) >> 5;
-    int sc, mn;
-    scale_min_k4(b + 4, j, sc, mn);
-    const v16 d = splat16(b) * splat_int(sc), dm = splat16(b + 2) * splat_int(mn);
+    v16 d, dm;
+    k_scales(b, j, d, dm);
     const v16 table = d * to_f(IOTA) - dm;
     const uint8_t* q = b + 16 + 32 * (j >> 1);
     const int shift = 4 * (j & 1);
@@ -317,20 +319,17 @@ struct Q5_K : Blocks<256, 176> {  // d, dmin, 12 scale bytes, 32 high-bit bytes,
   static inline Row read(const uint8_t* row, int64_t k) {
     const uint8_t* b = row + (k >> 8) * 176;
     const int v = k & 255, j = v >> 5;
-    int sc, mn;
-    scale_min_k4(b + 4, j, sc, mn);
-    const v16 d = splat16(b) * splat_int(sc), dm = splat16(b + 2) * splat_int(mn);
+    v16 d, dm;
+    k_scales(b, j, d, dm);
     const i32x16 high = (u8_lanes(b + 16 + (v & 16)) >> j) & 1;  // bit j of qh[i]: sub-block j's fifth bits
     return {d * to_f(nibbles(b + 48 + 32 * (j >> 1) + (v & 16), j & 1) | (high << 4)) - dm};
   }
-  static constexpr bool PAIRS = true;
   static inline void read2(const uint8_t* row, int64_t k, Row& lo, Row& hi) {
 #if EAGLE2_LOOKUP
     const uint8_t* b = row + (k >> 8) * 176;
     const int j = (k & 255) >> 5;
-    int sc, mn;
-    scale_min_k4(b + 4, j, sc, mn);
-    const v16 d = splat16(b) * splat_int(sc), dm = splat16(b + 2) * splat_int(mn);
+    v16 d, dm;
+    k_scales(b, j, d, dm);
     const v16 t0 = d * to_f(IOTA) - dm, t1 = d * to_f(IOTA16) - dm;
     const uint8_t* q = b + 48 + 32 * (j >> 1);
     const int shift = 4 * (j & 1);
@@ -353,7 +352,7 @@ struct Q6_K : Blocks<256, 210> {  // 128 low-nibble bytes, 64 two-bit bytes, 16 
     const v16 d = splat16(b + 208) * splat_int(static_cast<int8_t>(b[192 + (v >> 4)]));
     return {d * to_f(q)};
   }
-  static constexpr bool PAIRS = true;  // 32 values: d read once, two 16-value sub-block scales
+  // 32 values: d read once, two 16-value sub-block scales
   static inline void read2(const uint8_t* row, int64_t k, Row& lo, Row& hi) {
     const uint8_t* b = row + (k >> 8) * 210;
     const int v = k & 255, h = v >> 7, m = v & 127;
