@@ -40,11 +40,11 @@ def dequantized(name: str, blocks: np.ndarray, k: int) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(blocks.reshape(blocks.shape[0], -1), getattr(T, name)).reshape(-1, k).copy())
 
 
-@pytest.mark.parametrize("name", SIMPLE + K_QUANTS)
-def test_block_product_is_bitwise_the_float32_product_over_the_dequantized_weight(name):
+@pytest.mark.parametrize("name,k", [(n, 96) for n in SIMPLE] + [(n, 288) for n in SIMPLE] + [(n, 512) for n in K_QUANTS])
+def test_block_product_is_bitwise_the_float32_product_over_the_dequantized_weight(name, k):
+    """k: several blocks a row; 96 = 3 blocks of 32 (less than one 256-value chunk), 288 = a chunk and a block"""
     mod = native.module()
     rng = np.random.default_rng(hash(name) % 2**32)
-    k = 512 if name in K_QUANTS else 96  # several blocks a row; 96 = 3 blocks of 32
     n = 6 * 5 + 3  # whole 6-row tiles and a remainder that runs one dot product at a time
     blocks = blocks_of(name, n, k, rng)
     w = dequantized(name, blocks, k)
