@@ -168,6 +168,10 @@ PACK_HINTS = (1, 16)          # oneDNN packings tried per shape; the plan keeps 
 SAMPLE_BYTES = 64 << 20       # weights of a shape timed per product: past the caches, streamed as a forward streams them
 ROW_WIN = 0.97  # another kernel replaces linear only below this share of linear's time: a tie (one row on the
                 # AVX-512 Zen 5 measured 33.1 vs 33.4 ms) stays with linear rather than flip with the noise
+PACK_WIN = 0.75  # a packing is a second float32 copy of its weight, kept for the process: the plan runs one only
+                 # where it takes at most this share of the best unpacked kernel's time. SmolLM2's draft head
+                 # packed its gate/up for 48-64 rows (its prefill only) at 0.78-0.79 of the stream kernel's
+                 # time, for 10.6 MB of a 615 MB chat (issue 41's memory target: 601)
 
 
 def product_weights(model, head) -> list[torch.Tensor]:
@@ -199,7 +203,8 @@ def product_weights(model, head) -> list[torch.Tensor]:
 def product_plan(products: dict, packing: bool = True) -> rowgemm.ProductPlan:
     """The plan from measured kernels: per shape, the one packing hint that does best over all
     row counts (by the sum of its ratios to the fastest), then per row count the fastest of
-    linear, transposed, stream, block (GGUF weights) and that packing, linear keeping ties (ROW_WIN). Row buckets not timed
+    linear, transposed, stream, block (GGUF weights) and that packing, linear keeping ties (ROW_WIN) and the
+    packing taken only where it clearly pays for its memory (PACK_WIN). Row buckets not timed
     follow the next timed count up. Packings are timed only where they ran; whether they run in
     this process is asked only of a plan that takes one (the probe loads oneDNN: rowgemm.have_packed)."""
     kernels, hints = {}, {}
@@ -211,7 +216,10 @@ def product_plan(products: dict, packing: bool = True) -> rowgemm.ProductPlan:
         chosen = {}
         for r in rows:
             t = by_rows[r]
-            cands = {k: t[k] for k in ("transposed", "stream", "block") if k in t} | ({"packed": t[hint]} if hint else {})
+            cands = {k: t[k] for k in ("transposed", "stream", "block") if k in t}
+            unpacked = [v for k, v in t.items() if not k.startswith("packed")]
+            if hint and (not unpacked or t[hint] < PACK_WIN * min(unpacked)):
+                cands["packed"] = t[hint]
             name = min(cands, key=cands.get)
             chosen[r] = name if "linear" not in t or cands[name] < ROW_WIN * t["linear"] else "linear"  # blocks only: no linear
         kernels[key] = {b: chosen[next((r for r in rows if r >= b), rows[-1])] for b in rowgemm.ROW_BUCKETS}

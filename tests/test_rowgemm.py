@@ -101,7 +101,7 @@ def test_plan_from_measured_kernels():
         return {"linear": lin, "transposed": tr, "packed@1": p1, "packed@16": p16}
 
     body = {1: row(5.0, 5.1, 4.0, 3.0), 2: row(9.0, 4.0, 6.0, 5.0), 3: row(9.0, 7.0, 6.0, 5.0),
-            4: row(9.0, 8.0, 6.0, 8.9), 6: row(9.0, 9.5, 9.2, 9.3), 8: row(9.0, 8.0, 7.0, 6.0)}
+            4: row(9.0, 8.0, 6.0, 8.9), 6: row(9.0, 9.5, 9.2, 9.3), 8: row(9.0, 8.0, 7.0, 5.0)}
     plan = product_plan({"48x40 float32": body})
     k = plan.kernels["48x40 float32"]
     # one packing for the shape: packed@16 is nearer the best over all rows (sum of ratios)
@@ -114,6 +114,8 @@ def test_plan_from_measured_kernels():
     tie = {1: row(33.4, 33.1, 40.0, 40.0)}   # within noise of linear: linear stays
     assert product_plan({"k": tie}).kernels["k"][1] == "linear"
     assert product_plan({"k": tie}).pack_hint == {}  # no row count runs packed: no packing to make
+    near = {r: row(10.0, 10.0, 8.0, 8.0) for r in (1, 8, 64)}  # packed 20% faster: not worth a second copy (PACK_WIN)
+    assert set(product_plan({"k": near}).kernels["k"].values()) == {"linear"} and product_plan({"k": near}).pack_hint == {}
     assert set(PRODUCT_ROWS) <= set(rowgemm.ROW_BUCKETS)
 
 
