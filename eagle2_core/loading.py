@@ -381,20 +381,41 @@ def drop_floats(model) -> tuple[int, int]:
     Floatless kind that rebuilds the floats for forwards other than ours (`generate`), and the
     floats the rest of the model holds are copied out of any file mapping they share with the
     dropped ones (else the mapping, and every page of it read, would stay). EAGLE2_BLOCKS=keep
-    keeps the floats (the measured plan then picks per weight). Returns the float32 bytes the
-    weights now held as blocks only would take."""
+    keeps the floats (the measured plan then picks per weight). An embedding subclass (Gemma 3
+    scales its rows) becomes itself over FloatlessEmbedding, checked against its own output first;
+    a weight that a module of another kind also holds keeps its floats. Returns the float32 bytes
+    the weights now held as blocks only would take."""
     from . import rowgemm
 
+    def kind_of(mod):
+        if type(mod) is torch.nn.Linear:
+            return rowgemm.FloatlessLinear
+        if isinstance(mod, torch.nn.Embedding) and not isinstance(mod, rowgemm.FloatlessEmbedding) and mod.max_norm is None:
+            return rowgemm.floatless_embedding_kind(type(mod))
+        return None
+
+    # A weight another module also holds (a tied embedding of a class we do not convert) keeps its floats
+    held = {}
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            held.setdefault(id(p), []).append(mod)
     dropped = 0
     done = set()
+    probes = {}  # embedding subclasses: their output before, to check the converted forward against
     for mod in model.modules():
-        kind = {torch.nn.Linear: rowgemm.FloatlessLinear, torch.nn.Embedding: rowgemm.FloatlessEmbedding}.get(type(mod))
-        if kind is None or (kind is rowgemm.FloatlessEmbedding and mod.max_norm is not None):
+        kind = kind_of(mod)
+        if kind is None:
             continue
         w = mod.weight
         bw = rowgemm.blocks_of(w)
         if bw is None and not rowgemm.floatless(w):
             continue
+        if any(kind_of(m) is None and not isinstance(m, (rowgemm.FloatlessLinear, rowgemm.FloatlessEmbedding)) for m in held.get(id(w), [])):
+            continue
+        if kind is not rowgemm.FloatlessEmbedding and isinstance(mod, torch.nn.Embedding) and not rowgemm.floatless(w):
+            ids = torch.arange(min(4, mod.num_embeddings))
+            with torch.no_grad():
+                probes[mod] = (type(mod), ids, mod(ids))
         if id(w) not in done:
             done.add(id(w))
             dropped += w.numel() * 4
@@ -404,6 +425,13 @@ def drop_floats(model) -> tuple[int, int]:
         mod.__class__ = kind
         if kind is rowgemm.FloatlessLinear:
             rowgemm.chunked(w)  # its check now, while memory is low (rowgemm.chunked)
+    for mod, (cls, ids, want) in probes.items():
+        with torch.no_grad():
+            same = torch.equal(mod(ids), want)
+        if not same:  # its forward does not look rows up through nn.Embedding's: the floats stay
+            rowgemm.make_floatful(mod.weight)
+            mod.__class__ = cls
+            dropped -= mod.weight.numel() * 4
     if done:
         with torch.no_grad():
             for p in list(model.parameters()) + list(model.buffers()):

@@ -221,6 +221,13 @@ def make_floatless(weight: torch.Tensor, blocks) -> None:
     attach_blocks(weight, blocks)
 
 
+def make_floatful(weight: torch.Tensor) -> None:
+    """Undo make_floatless: the float32 values rebuilt from the blocks (kept beside them)."""
+    if floatless(weight):
+        weight.data = rebuilt(weight).clone()
+    _FLOATLESS.pop(id(weight), None)
+
+
 def _is_stand_in(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and weight.stride() == (0, 0) and weight.numel() > 1
 
@@ -399,6 +406,20 @@ class FloatlessEmbedding(nn.Embedding):
         bw = blocks_of(self.weight)
         rows = native.module().block_rows(bw.blocks, bw.qtype, bw.in_features, ids.reshape(-1), None)
         return rows.view(*ids.shape, bw.in_features)
+
+
+_EMBEDDING_KINDS: dict[type, type] = {}
+
+
+def floatless_embedding_kind(cls: type) -> type:
+    """The Floatless kind of an embedding class: FloatlessEmbedding for `nn.Embedding`, and for a
+    subclass (Gemma 3 scales its lookup) the subclass over FloatlessEmbedding, so its own forward's
+    `super().forward` rebuilds the rows (loading.drop_floats checks that it does)."""
+    if cls is nn.Embedding or issubclass(cls, FloatlessEmbedding):
+        return FloatlessEmbedding if cls is nn.Embedding else cls
+    if cls not in _EMBEDDING_KINDS:
+        _EMBEDDING_KINDS[cls] = type(f"Floatless{cls.__name__}", (cls, FloatlessEmbedding), {})
+    return _EMBEDDING_KINDS[cls]
 
 
 def install_plan(plan: ProductPlan) -> None:

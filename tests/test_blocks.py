@@ -371,3 +371,96 @@ def test_read_blocks_parses_a_tiny_gguf_written_here_as_gguf_py_reads_it(tmp_pat
         elif ".attn_k." in name:
             want = unpermute_rows(want, 2)
         assert np.array_equal(bw.blocks.numpy(), want), name
+
+
+def _blocks_everywhere(model, name: str = "Q8_0") -> None:
+    """Every linear weight and the embedding hold the dequantization of their own blocks, attached."""
+    from eagle2_core import rowgemm
+    from eagle2_core.ggufblocks import BlockWeight
+
+    seen = set()
+    for mod in model.modules():
+        if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)) and id(mod.weight) not in seen:
+            seen.add(id(mod.weight))
+            w = mod.weight.detach().float().numpy()
+            blocks = gguf.quants.quantize(w, getattr(T, name)).reshape(w.shape[0], -1)
+            with torch.no_grad():
+                mod.weight.copy_(dequantized(name, blocks, w.shape[1]))
+            rowgemm.attach_blocks(mod.weight, BlockWeight(torch.from_numpy(blocks.copy()), int(getattr(T, name)), name, w.shape[1]))
+
+
+def test_a_gemma3_tied_to_its_scaled_embedding_keeps_generate_bits_from_blocks_only():
+    """Gemma 3 looks tokens up through an nn.Embedding subclass that scales the rows, and its GGUF
+    ties lm_head to that table. Both read the one weight once it is held as blocks only: the
+    subclass's own forward must reach the rebuilt rows (it read the one-NaN stand-in before, and
+    the Gemma 3 270M GGUF crashed in the draft sources on NaN probabilities)."""
+    import copy
+
+    from conftest import make_tiny_lm
+
+    from eagle2_core import Engine, GenerationSettings, TreeSettings, rowgemm
+    from eagle2_core.engine import Request
+    from eagle2_core.loading import drop_floats
+    from eagle2_core.vanilla import VanillaDecoder
+    from test_engine import STEP, run_all
+
+    model = make_tiny_lm("gemma3", vocab_size=48, hidden_size=64, max_position_embeddings=64)
+    model.lm_head.weight = model.get_input_embeddings().weight
+    model.config.tie_word_embeddings = True
+    _blocks_everywhere(model)
+    ref = copy.deepcopy(model)
+    cls = type(model.get_input_embeddings())
+    assert cls is not torch.nn.Embedding  # the scaled subclass
+    drop_floats(model)
+    emb = model.get_input_embeddings()
+    assert isinstance(emb, cls) and isinstance(emb, rowgemm.FloatlessEmbedding) and rowgemm.floatless(emb.weight)
+    assert model.lm_head.weight is emb.weight
+    x = torch.tensor([[1, 5, 9, 2, 40, 7, 7]])
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, ref(x).logits)
+    prompts = [[1, 5, 9, 2], [7, 7, 3, 11, 4, 30, 12] * 2]
+    refs = [ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=12,
+                         do_sample=False, pad_token_id=0)[0, len(ids):].tolist() for ids in prompts]
+    gen = GenerationSettings(max_new_tokens=12, eos_token_ids=())
+    assert [VanillaDecoder(model).generate(ids, gen)[0] for ids in prompts] == refs
+    engine = Engine(model, None, tree=TreeSettings(total_tokens=8, depth=4, top_k=2, budget="auto"), costs=STEP,
+                    sources=("recycle", "match"))
+    out = run_all(engine, [Request(i, p, gen) for i, p in enumerate(prompts)])
+    assert [out[i][0] for i in range(len(prompts))] == refs
+
+
+def test_an_embedding_whose_forward_bypasses_nn_embedding_keeps_its_floats():
+    """A subclass that reads its table directly (not through nn.Embedding's forward) cannot be fed
+    rebuilt rows: the conversion checks its output and gives the weight its floats back; a
+    weight another, unknown module holds keeps them from the start."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from conftest import make_tiny_lm
+
+    from eagle2_core import rowgemm
+    from eagle2_core.loading import drop_floats
+
+    class Direct(torch.nn.Embedding):
+        def forward(self, ids):
+            return F.embedding(ids, self.weight) * 2.0
+
+    class Holder(torch.nn.Module):  # a module of a kind the conversion does not know, sharing the lm_head weight
+        def __init__(self, w):
+            super().__init__()
+            self.w = w
+
+    model = make_tiny_lm("llama", vocab_size=48, hidden_size=64, max_position_embeddings=64)
+    model.model.embed_tokens.__class__ = Direct
+    model.extra = Holder(model.lm_head.weight)
+    _blocks_everywhere(model)
+    ref = copy.deepcopy(model)
+    drop_floats(model)
+    emb = model.get_input_embeddings()
+    assert type(emb) is Direct and not rowgemm.floatless(emb.weight) and torch.equal(emb.weight, ref.get_input_embeddings().weight)
+    assert type(model.lm_head) is torch.nn.Linear and not rowgemm.floatless(model.lm_head.weight)
+    assert rowgemm.floatless(model.model.layers[0].mlp.down_proj.weight)
+    x = torch.tensor([[1, 5, 9, 2, 40, 7, 7]])
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, ref(x).logits)
