@@ -394,6 +394,9 @@ def drop_floats(model) -> tuple[int, int]:
             return rowgemm.floatless_embedding_kind(type(mod))
         return None
 
+    def known(mod) -> bool:  # converted here, or already
+        return kind_of(mod) is not None or isinstance(mod, (rowgemm.FloatlessLinear, rowgemm.FloatlessEmbedding))
+
     # A weight another module also holds (a tied embedding of a class we do not convert) keeps its floats
     held = {}
     for mod in model.modules():
@@ -410,7 +413,7 @@ def drop_floats(model) -> tuple[int, int]:
         bw = rowgemm.blocks_of(w)
         if bw is None and not rowgemm.floatless(w):
             continue
-        if any(kind_of(m) is None and not isinstance(m, (rowgemm.FloatlessLinear, rowgemm.FloatlessEmbedding)) for m in held.get(id(w), [])):
+        if not all(known(m) for m in held.get(id(w), [])):
             continue
         if kind is not rowgemm.FloatlessEmbedding and isinstance(mod, torch.nn.Embedding) and not rowgemm.floatless(w):
             ids = torch.arange(min(4, mod.num_embeddings))

@@ -415,8 +415,8 @@ def floatless_embedding_kind(cls: type) -> type:
     """The Floatless kind of an embedding class: FloatlessEmbedding for `nn.Embedding`, and for a
     subclass (Gemma 3 scales its lookup) the subclass over FloatlessEmbedding, so its own forward's
     `super().forward` rebuilds the rows (loading.drop_floats checks that it does)."""
-    if cls is nn.Embedding or issubclass(cls, FloatlessEmbedding):
-        return FloatlessEmbedding if cls is nn.Embedding else cls
+    if cls is nn.Embedding:
+        return FloatlessEmbedding
     if cls not in _EMBEDDING_KINDS:
         _EMBEDDING_KINDS[cls] = type(f"Floatless{cls.__name__}", (cls, FloatlessEmbedding), {})
     return _EMBEDDING_KINDS[cls]

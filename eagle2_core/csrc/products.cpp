@@ -482,6 +482,13 @@ struct Prefetch {
   const char* end;
   int per_step;
 };
+// `lines` cache lines of the next block fetched, while any are left (`next`: the tile's local cursor)
+inline void prefetch_step(const char*& next, const Prefetch& pf, int lines) {
+  if (next < pf.end) {
+    for (int p = 0; p < lines; ++p) __builtin_prefetch(next + 64 * p, 0, 2);
+    next += 64 * lines;
+  }
+}
 
 // A loaded value kept in a register: without it the compiler folds each weight load into every
 // multiply-add that uses it (4 loads of one row per step instead of 1), and the tile waits on the
@@ -507,10 +514,7 @@ inline void tile(const uint8_t* w, int64_t k_len, const float* x, int64_t ldx, f
     // taking the block's first 16 products and then its last 16: the order of the step-by-step
     // loop below, so the same bits
     for (int64_t k = 0; k < k_len; k += 2 * K::STEP) {
-      if (next < pf.end) {
-        for (int p = 0; p < 2 * pf.per_step; ++p) __builtin_prefetch(next + 64 * p, 0, 2);
-        next += 128 * pf.per_step;
-      }
+      prefetch_step(next, pf, 2 * pf.per_step);
       typename K::X xs[RB], xh[RB];
       for (int b = 0; b < RB; ++b) {
         xs[b] = K::read_x(x + b * ldx + k);
@@ -536,10 +540,7 @@ inline void tile(const uint8_t* w, int64_t k_len, const float* x, int64_t ldx, f
       const int64_t len = std::min<int64_t>(CHUNK, k_len - k0);
       for (int a = 0; a < NB; ++a) rebuild_chunk<K>(w + a * rb, k0, len, buf[a]);
       for (int64_t k = 0; k < len; k += F32::STEP) {
-        if (next < pf.end) {
-          for (int p = 0; p < pf.per_step; ++p) __builtin_prefetch(next + 64 * p, 0, 2);
-          next += 64 * pf.per_step;
-        }
+        prefetch_step(next, pf, pf.per_step);
         F32::X xs[RB];
         for (int b = 0; b < RB; ++b) {
           xs[b] = F32::read_x(x + b * ldx + k0 + k);
@@ -554,10 +555,7 @@ inline void tile(const uint8_t* w, int64_t k_len, const float* x, int64_t ldx, f
     }
   } else {
     for (int64_t k = 0; k < k_len; k += K::STEP) {
-      if (next < pf.end) {
-        for (int p = 0; p < pf.per_step; ++p) __builtin_prefetch(next + 64 * p, 0, 2);
-        next += 64 * pf.per_step;
-      }
+      prefetch_step(next, pf, pf.per_step);
       typename K::X xs[RB];
       for (int b = 0; b < RB; ++b) {
         xs[b] = K::read_x(x + b * ldx + k);
