@@ -684,7 +684,10 @@ class Cycle:
             out.append((i, values[i][2 : 3 + a], a))
         if self.sources is not None and self.sources.last:
             busy = [i for i, s in enumerate(self.slots) if s is not None]
-            only_head = self.sources.observe(path.tolist(), [v[0] for v in values], busy, [self.slots[i].summary for i in busy])
+            emitted = [None if self.slots[i].procs is not None and self.slots[i].procs.sampling else values[i][2 : 3 + values[i][0]]
+                       for i in busy]
+            only_head = self.sources.observe(path.tolist(), [v[0] for v in values], busy, [self.slots[i].summary for i in busy], n,
+                                             emitted)
             if self.speculative:
                 h = self.head_tally
                 h["cycles"] += 1

@@ -311,25 +311,43 @@ class DraftSources:
             push(node)
         return RowTree(tokens, parents, scores, proposers, head_raw)
 
-    def observe(self, path: list[list[int]], accepted: list[int], rows: list[int], summaries) -> None:
-        """A verified cycle: per busy row its accepted path (node indices, root first) and count.
-        Each proposer of a node whose parent was accepted learns whether the node was; the
-        summaries (events.Summary) count nodes, accepted nodes and calibration per source.
+    def observe(self, path: list[list[int]], accepted: list[int], rows: list[int], summaries, verified: int,
+                emitted: list[list[int]] | None = None) -> int:
+        """A verified cycle: per busy row its accepted path (node indices, root first) and count;
+        `verified`: how many of each tree's best-first nodes went through the target (the budget's
+        size); `emitted`: per busy row the tokens it produced (accepted + the bonus), None where the
+        row sampled.
+
+        Each proposer of a node whose parent was accepted learns whether the node was. A node past
+        the verified size was never checked; where the row decodes greedily its outcome is known
+        all the same: the target's token after an accepted node is the next one emitted, so the
+        node would have been accepted exactly when its token is that one. Counting such a node as
+        rejected (as if verified) taught the calibration that the nodes the budget left out fail,
+        which is what the budget reads to leave them out (section 3's estimate, biased by its own
+        choice). A sampled row learns from verified nodes only. The summaries (events.Summary)
+        count verified nodes, accepted nodes and calibration per source.
         Returns how many accepted nodes the head alone proposed (what it adds to the others)."""
         only_head = 0
-        for b, summary in zip(rows, summaries):
+        for j, (b, summary) in enumerate(zip(rows, summaries)):
             tree = self.last[b] if b < len(self.last) else None
             if tree is None:
                 continue
-            on = set(path[b][: accepted[b] + 1])
-            for i in range(1, len(tree.tokens)):
-                got = i in on
+            acc = path[b][: accepted[b] + 1]
+            on = set(acc)
+            after = None  # accepted node -> the target's next token after it (greedy rows)
+            if emitted is not None and emitted[j] is not None:
+                after = dict(zip(acc, emitted[j]))
+            upto = len(tree.tokens) if after is not None else min(verified, len(tree.tokens))
+            for i in range(1, upto):
+                checked = i < verified
                 conditional = tree.parents[i] in on
-                only_head += got and all(src == "head" for src, _, _ in tree.proposers[i])
+                got = i in on if checked else (conditional and after.get(tree.parents[i]) == tree.tokens[i])
+                if checked:
+                    only_head += got and all(src == "head" for src, _, _ in tree.proposers[i])
                 for src, bn, pred in tree.proposers[i]:
                     if conditional and src in self.cal:
                         self.cal[src].add(bn, got)
-                    if summary is not None:
+                    if summary is not None and checked:
                         summary.record_source(src, got, pred if conditional else None)
         return only_head
 

@@ -114,6 +114,37 @@ def test_calibration_follows_what_verification_did():
     assert src.cal["recycle"].rate(b) < 0.1 < before
 
 
+def test_nodes_the_budget_left_out_are_judged_by_what_the_target_emitted():
+    """A tree grown to 5 nodes of which the budget verified 3: the calibration of a node past the
+    verified size learns from the target's own next token (greedy: what was emitted after its
+    accepted parent), not as a rejection; a sampled row learns from verified nodes only; the
+    summary counts verified nodes only."""
+    from eagle2_core.events import Summary
+    from eagle2_core.sources import RowTree
+
+    def fresh():
+        src = DraftSources(("recycle",), vocab=20)
+        # root 7; node 1 = 3 (verified, accepted), node 2 = 4 (verified, rejected), node 3 = 5 under
+        # node 1 (unverified; the target emitted 5 after 3), node 4 = 6 under the root (unverified)
+        tree = RowTree([7, 3, 4, 5, 6], [-1, 0, 0, 1, 0], [1.0, 0.6, 0.3, 0.5, 0.2],
+                       [[], *([("recycle", 2, 0.25)] for _ in range(4))], [None] * 5)
+        src.last = [tree]
+        return src
+
+    def counts(src):
+        c = src.cal["recycle"]
+        return int(c.nodes[2]), int(c.accepted[2])
+
+    path, emitted = [[0, 1, 0]], [[3, 5]]  # accepted 1 (node 1), bonus 5
+    src, summary = fresh(), Summary()
+    src.observe(path, [1], [0], [summary], 3, emitted)
+    assert counts(src) == (4, 2)  # nodes 1, 2 verified (1 accepted); 3 would have been (5 after 3); 4 would not (3 came)
+    assert summary.source_counts["recycle"]["nodes"] == 2 and summary.source_counts["recycle"]["accepted"] == 1
+    src = fresh()
+    src.observe(path, [1], [0], [None], 3, [None])  # a sampled row: the two verified nodes only
+    assert counts(src) == (2, 1)
+
+
 def test_parse_sources():
     assert parse_sources(None, True) == ("head", "recycle", "match")
     assert parse_sources(None, False) == ("recycle", "match")
