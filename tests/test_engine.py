@@ -446,6 +446,31 @@ def test_kv_cache_rows_commit_grow_and_compact():
     assert (bucket(1), bucket(64), bucket(65), bucket(3, least=1), bucket(1, least=1)) == (64, 64, 128, 4, 1)
 
 
+def test_kv_cache_one_row_commit_moves_only_cells_out_of_place():
+    """Live mode, one row (`start` set): the accepted path's cells land at start, start + 1, ...;
+    cells already there are not copied, nor is the path's padding (the root again), and nothing
+    else changes. A path down the tree's first nodes moves nothing at all."""
+    c = KVCache(num_layers=2, batch=1, capacity=16)
+    lay = c.layers[0]
+    val = torch.arange(16).float()[None]
+    kv = lambda v: v[:, None, :, None].expand(-1, 2, -1, 3).clone()   # noqa: E731
+    c.cells, c.view = torch.arange(16)[None], 16
+    lay.update(kv(val), -kv(val))
+    c.start = 5  # the row's committed length: the tree's root at cell 5, its nodes after it
+    calls = []
+    real = torch.Tensor.index_copy_
+    try:
+        torch.Tensor.index_copy_ = lambda self, *a: calls.append(1) or real(self, *a)
+        c.commit(torch.tensor([[5, 6, 7, 5, 5]]), 5 + torch.arange(5)[None])        # nodes 0, 1, 2 accepted: in place; padded with the root
+        assert not calls and torch.equal(lay.keys[0, 0, :, 0], val[0])
+        c.commit(torch.tensor([[5, 6, 9, 12, 5]]), 5 + torch.arange(5)[None])       # nodes 1, 4, 7: the last two move to cells 7 and 8
+    finally:
+        torch.Tensor.index_copy_ = real
+    want = val[0].clone()
+    want[7], want[8] = val[0, 9], val[0, 12]
+    assert calls and torch.equal(lay.keys[0, 0, :, 0], want) and torch.equal(lay.values[0, 1, :, 2], -want)
+
+
 def test_kv_cache_crop_and_copy_row_keep_the_buffers():
     """`copy_row` makes one row another's copy and `crop` zeroes a row past a length, every layer,
     other rows untouched, in place (a fixed-mode capture reads the same buffers); a layer never
