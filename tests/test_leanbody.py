@@ -210,6 +210,49 @@ def test_the_native_loop_is_the_python_loop(arch, kernel, dtype):
             torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize("hidden", [64, 256])
+def test_a_native_row_gets_the_same_bits_wherever_it_sits_in_the_tree(hidden):
+    """float32, the native loop: a verified node's hidden state does not depend on where it sits
+    among the forward's rows (attention takes rows four at a time, sharing each key and value
+    read). A chain of 7 nodes, alone and behind a decoy child of the root (so each chain node moves
+    one row, into another slot of its group of four), over the same 14 cells: bit for bit, at head
+    sizes 16 and 64 (one and four 16-wide slices a pass; a head size that is no multiple of 16,
+    as the tiny models' 8, takes scalar loops that do not keep this, before this change too)."""
+    from eagle2_core import rowgemm
+
+    if leanbody.native_loop() is None:
+        pytest.skip(f"no native loop here: {leanbody.native_status()}")
+    model = make_tiny_lm("qwen2", hidden_size=hidden)
+    run = TargetRunner(model)
+    assert run.lean is not None and run.lean.native_ok
+    chain = [3, 5, 7, 2, 9, 4, 6]
+    trees = {"alone": (chain, [-1, 0, 1, 2, 3, 4, 5]),
+             "behind a decoy": ([3, 11] + chain[1:], [-1, 0, 0, 2, 3, 4, 5, 6])}
+    out = {}
+    with rowgemm.using_plan(rowgemm.forced("stream")):
+        rowgemm.prepare(run.lean.weights())
+        cache = KVCache(num_cache_layers(run.config), 1, 32)
+        pos = torch.arange(6)[None]
+        cache.row, cache.cells, cache.view = 0, pos[0], 6
+        with torch.no_grad():
+            run.body_forward(torch.tensor([[1, 4, 2, 8, 5, 7]]), pos, run.masks(lambda w: windowed(causal_rows(pos, 6), pos, pos, w)),
+                             cache, {}, None)
+            cache.row = None
+            for name, (tokens, parents) in trees.items():
+                m = len(tokens)
+                depth, anc = batch_trees(torch.tensor([parents]), m)
+                seq_len = torch.tensor([6])
+                cache.cells, cache.view, cache.start = seq_len[:, None] + torch.arange(m), 14, 6
+                q_pos = seq_len[:, None] + depth
+                k_pos = torch.arange(14)[None].scatter(1, cache.cells, q_pos)
+                mask = run.masks(lambda w: windowed(context_and_tree(seq_len, anc, 14), q_pos, k_pos, w))
+                assert run.lean._native(1, m, mask, cache, None)[0] is not None
+                out[name] = run.body_forward(torch.tensor([tokens]), q_pos, mask, cache, {}, None)[0][0]
+        rowgemm.prepare(run.lean.weights(), rowgemm.ProductPlan())
+    assert torch.equal(out["alone"][0], out["behind a decoy"][0])
+    assert torch.equal(out["alone"][1:], out["behind a decoy"][2:])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama/64"])
 def test_the_draft_heads_native_step_is_its_stock_layer(arch, dtype, monkeypatch):

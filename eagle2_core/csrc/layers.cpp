@@ -10,6 +10,7 @@
 
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "products.h"
@@ -108,58 +109,106 @@ static void rotary_and_store(float* t, const float* cos, const float* sin, int64
   }
 }
 
+// Attention of RB rows for one q head: each key and value vector is read once for all of them (a
+// tree's rows read the same cache), where a row at a time read the head's whole cache once per
+// row from L2. Every score and output is summed in the order one row alone sums
+// it (over d in steps of 16 then lane_sums; over the keys in order), so the same bits.
+template <int RB>
+static void attend_rows(const float* t, int64_t T, const float* K, const float* V, const float* mask, int64_t mask_row,
+                        int64_t mask_col, int64_t h, int64_t r0, int64_t nh, int64_t hd, int64_t view, float scale, float* out,
+                        float* p) {
+  const float* q[RB];
+  for (int b = 0; b < RB; ++b) q[b] = t + (r0 + b) * T + h * hd;
+  int64_t j = 0;
+  if (hd % 16 == 0) {
+    constexpr int U = 16 / RB;  // keys a block: RB x U = 16 accumulators
+    for (; j + U <= view; j += U) {
+      v16 acc[16];
+      for (int i = 0; i < 16; ++i) acc[i] = v16{};
+      for (int64_t d = 0; d < hd; d += 16) {
+        for (int u = 0; u < U; ++u) {
+          const v16 k = load(K + (j + u) * hd + d);
+          for (int b = 0; b < RB; ++b) acc[b * U + u] += load(q[b] + d) * k;
+        }
+      }
+      float s[16];
+      lane_sums(acc, s);
+      for (int b = 0; b < RB; ++b)
+        for (int u = 0; u < U; ++u) p[b * view + j + u] = s[b * U + u];
+    }
+  }
+  for (; j < view; ++j)
+    for (int b = 0; b < RB; ++b) p[b * view + j] = dot(q[b], K + j * hd, hd);
+  float sum[RB];
+  for (int b = 0; b < RB; ++b) {
+    float* pb = p + b * view;
+    const float* m = mask + (r0 + b) * mask_row;
+    float top = -INFINITY;
+    for (j = 0; j < view; ++j) {
+      pb[j] = pb[j] * scale + m[j * mask_col];
+      top = std::max(top, pb[j]);
+    }
+    v16 sums{};
+    for (j = 0; j + 16 <= view; j += 16) {
+      const v16 e = vexp(load(pb + j) - top);
+      store(pb + j, e);
+      sums += e;
+    }
+    float total = lane_sum(sums);
+    for (; j < view; ++j) total += (pb[j] = std::exp(pb[j] - top));
+    sum[b] = total;
+  }
+  // p . v, 4 slices of 16 d's a pass (RB x 4 accumulators; the keys in order for each), then any
+  // slices left one at a time
+  const int64_t whole = hd / 16 * 16;
+  auto pass = [&](int64_t d0, auto slices) {
+    constexpr int C = decltype(slices)::value;
+    v16 acc[RB * C];
+    for (int i = 0; i < RB * C; ++i) acc[i] = v16{};
+    for (int64_t j2 = 0; j2 < view; ++j2) {
+      for (int c = 0; c < C; ++c) {
+        const v16 v = load(V + j2 * hd + d0 + 16 * c);
+        for (int b = 0; b < RB; ++b) acc[b * C + c] += p[b * view + j2] * v;
+      }
+    }
+    for (int b = 0; b < RB; ++b)
+      for (int c = 0; c < C; ++c) store(out + (r0 + b) * nh * hd + h * hd + d0 + 16 * c, acc[b * C + c] / sum[b]);
+  };
+  int64_t d0 = 0;
+  for (; d0 + 64 <= whole; d0 += 64) pass(d0, std::integral_constant<int, 4>{});
+  for (; d0 < whole; d0 += 16) pass(d0, std::integral_constant<int, 1>{});
+  for (int b = 0; b < RB; ++b) {
+    float* o = out + (r0 + b) * nh * hd + h * hd;
+    for (int64_t d = whole; d < hd; ++d) {
+      float acc = 0.0f;
+      for (int64_t j2 = 0; j2 < view; ++j2) acc += p[b * view + j2] * V[j2 * hd + d];
+      o[d] = acc / sum[b];
+    }
+  }
+}
+
 // Attention of each row's q heads over the first `view` cache slots: softmax(q.k * scale + mask) . v,
 // head h reading kv group h / (nh / nkv). Out: [n, nh * hd]. The mask is additive, [.., n, view].
+// Work items are (head, 4 rows); measured in one process against a row at a time (SmolLM2, 250
+// cached tokens): 1.03x at 1-2 rows, 1.07x at 4, 1.12x at 8 of a whole forward; Qwen2.5 0.5B
+// 1.00-1.04x (docs/benchmarks.md, session 25).
 static void attend(const float* t, const float* keys, const float* values, const float* mask, int64_t mask_row,
                    int64_t mask_col, int64_t n, int64_t nh, int64_t nkv, int64_t hd, int64_t max_len, int64_t view,
                    float scale, float* out) {
   const int64_t T = (nh + 2 * nkv) * hd, group = nh / nkv;
-  at::parallel_for(0, nh * n, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p(view);
+  constexpr int64_t RB = 4;
+  const int64_t chunks = (n + RB - 1) / RB;
+  at::parallel_for(0, nh * chunks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p(RB * view);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t h = i / n, r = i % n;
-      const float* q = t + r * T + h * hd;
+      const int64_t h = i / chunks, r0 = (i % chunks) * RB, rows = std::min(RB, n - r0);
       const float* K = keys + (h / group) * max_len * hd;
       const float* V = values + (h / group) * max_len * hd;
-      const float* m = mask + r * mask_row;
-      // q . k for 16 keys at a time: 16 lane vectors reduced together (lane_sums: the additions
-      // dot() makes for each, in its order, at a third of the shuffles)
-      int64_t j = 0;
-      if (hd % 16 == 0) {
-        for (; j + 16 <= view; j += 16) {
-          v16 acc[16];
-          for (int u = 0; u < 16; ++u) {
-            acc[u] = v16{};
-            for (int64_t d = 0; d < hd; d += 16) acc[u] += load(q + d) * load(K + (j + u) * hd + d);
-          }
-          lane_sums(acc, p.data() + j);
-        }
-      }
-      for (; j < view; ++j) p[j] = dot(q, K + j * hd, hd);
-      float top = -INFINITY;
-      for (j = 0; j < view; ++j) {
-        p[j] = p[j] * scale + m[j * mask_col];
-        top = std::max(top, p[j]);
-      }
-      v16 sums{};
-      for (j = 0; j + 16 <= view; j += 16) {
-        const v16 e = vexp(load(p.data() + j) - top);
-        store(p.data() + j, e);
-        sums += e;
-      }
-      float sum = lane_sum(sums);
-      for (; j < view; ++j) sum += (p[j] = std::exp(p[j] - top));
-      float* o = out + r * nh * hd + h * hd;
-      int64_t d = 0;
-      for (; d + 16 <= hd; d += 16) {
-        v16 acc{};
-        for (int64_t j = 0; j < view; ++j) acc += p[j] * load(V + j * hd + d);
-        store(o + d, acc / sum);
-      }
-      for (; d < hd; ++d) {
-        float acc = 0.0f;
-        for (int64_t j = 0; j < view; ++j) acc += p[j] * V[j * hd + d];
-        o[d] = acc / sum;
+      switch (rows) {
+        case 4: attend_rows<4>(t, T, K, V, mask, mask_row, mask_col, h, r0, nh, hd, view, scale, out, p.data()); break;
+        case 3: attend_rows<3>(t, T, K, V, mask, mask_row, mask_col, h, r0, nh, hd, view, scale, out, p.data()); break;
+        case 2: attend_rows<2>(t, T, K, V, mask, mask_row, mask_col, h, r0, nh, hd, view, scale, out, p.data()); break;
+        default: attend_rows<1>(t, T, K, V, mask, mask_row, mask_col, h, r0, nh, hd, view, scale, out, p.data()); break;
       }
     }
   });
