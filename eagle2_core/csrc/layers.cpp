@@ -111,8 +111,8 @@ static void rotary_and_store(float* t, const float* cos, const float* sin, int64
 
 // Attention of RB rows for one q head: each key and value vector is read once for all of them (a
 // tree's rows read the same cache), where a row at a time read the head's whole cache once per
-// row from L2. Every score and output is summed in the order one row alone sums
-// it (over d in steps of 16 then lane_sums; over the keys in order), so the same bits.
+// row from L2. Every score and output is summed in the order one row alone sums it (over d in
+// steps of 16 then lane_sums; over the keys in order), so the same bits.
 template <int RB>
 static void attend_rows(const float* t, int64_t T, const float* K, const float* V, const float* mask, int64_t mask_row,
                         int64_t mask_col, int64_t h, int64_t r0, int64_t nh, int64_t hd, int64_t view, float scale, float* out,
@@ -191,7 +191,7 @@ static void attend_rows(const float* t, int64_t T, const float* K, const float* 
 // head h reading kv group h / (nh / nkv). Out: [n, nh * hd]. The mask is additive, [.., n, view].
 // Work items are (head, 4 rows); measured in one process against a row at a time (SmolLM2, 250
 // cached tokens): 1.03x at 1-2 rows, 1.07x at 4, 1.12x at 8 of a whole forward; Qwen2.5 0.5B
-// 1.00-1.04x (docs/benchmarks.md, session 25).
+// 0.99-1.04x (docs/benchmarks.md, session 25).
 static void attend(const float* t, const float* keys, const float* values, const float* mask, int64_t mask_row,
                    int64_t mask_col, int64_t n, int64_t nh, int64_t nkv, int64_t hd, int64_t max_len, int64_t view,
                    float scale, float* out) {
