@@ -135,7 +135,8 @@ def profile_key(model, head) -> dict:
             "body": _body_label(TargetRunner(model)), "kernels": native.source_digest(),
             "blocks": sorted({b.type_name for b in map(rowgemm.blocks_of, model.parameters()) if b is not None})
                       + (["floatless"] if any(map(rowgemm.floatless, model.parameters())) else []),
-            "head": None if head is None else f"{getattr(head, 'kind', 'eagle2')}:{head.spec.hidden_size}:{head_draft_rows(head)}"}
+            "head": None if head is None else f"{getattr(head, 'kind', 'eagle2')}:{head.spec.hidden_size}:{head_draft_rows(head)}"
+                                              + (":blocks" if any(map(rowgemm.floatless, head.parameters())) else "")}
 
 
 def _body_label(run) -> str:

@@ -216,10 +216,8 @@ def _head_fused(head):
 
     got = _HEADS.get(head)
     if got is None or got[0] != key():
-        with torch.no_grad():
-            qkv = stacked([x.weight for x in lins[:3]])
-            bias = stacked([x.bias for x in lins[:3]]) if a.q_proj.bias is not None else None
-            gate_up = stacked([x.weight for x in lins[3:]])
+        qkv, bias = _fuse(lins[:3])  # a head held as blocks (quantization.head_blocks) fuses its blocks
+        gate_up, _ = _fuse(lins[3:])
         got = _HEADS[head] = (key(), qkv, bias, gate_up)
     return got
 

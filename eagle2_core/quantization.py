@@ -76,6 +76,29 @@ def quantize(w: torch.Tensor, bits: int) -> BlockWeight:
     return row_int8(w) if bits == 8 else q4_0(w)
 
 
+def head_blocks(head) -> int:
+    """A draft head's own linear weights as 8-bit rows (ROW_I8), their float32 values dropped: for
+    a target that runs from blocks. A draft step streams the head's weights as a target step
+    streams the target's; held in float32 beside a 4-bit target, SmolLM2's head layer was 17 MB
+    against the whole target's 85 MB, so a draft step cost a quarter of a target step and never
+    paid (docs/benchmarks.md, session 26). The draft is only a proposal: the head's rounding changes
+    which tokens are drafted, never the output (verification is the target's). The shared
+    embedding and lm_head are the target's own and keep its blocks. Returns the blocks' bytes."""
+    from . import rowgemm
+
+    made = 0
+    for mod in head.modules():
+        w = getattr(mod, "weight", None)
+        if not isinstance(mod, torch.nn.Linear) or w is None or w.dtype != torch.float32 or not quantizable(w, 8) \
+                or rowgemm.blocks_of(w) is not None:
+            continue
+        bw = row_int8(w)
+        with torch.no_grad():
+            rowgemm.make_floatless(w, bw)
+        made += bw.nbytes
+    return made
+
+
 # -- reading a weight's floats from its safetensors file, not through the model's mapping -----
 # transformers maps the checkpoint and its parameters are views of the mapping: reading every
 # weight through them to quantize it would make every page of the file resident (the whole

@@ -20,6 +20,7 @@ from .head import DraftHead, HeadSpec
 from .loading import LoadedTarget, LoadError, default_head_for, load_draft_head, load_target
 from .measure import load_or_measure, load_or_measure_batch
 from .prompts import SplicedIds, encode_chat
+from .quantization import head_blocks
 from .sources import parse_sources
 from .sampling import generation_description, generation_label, settings_from_model
 from .target import context_length
@@ -138,6 +139,8 @@ class Runtime:
             raise LoadError(str(e)) from None
         if head is not None and "head" not in sources:
             head = None  # pinned to head-free sources
+        if head is not None and rowgemm.holds_blocks(target.model) and os.environ.get("EAGLE2_HEAD_BLOCKS", "1") != "0":
+            head_blocks(head)  # the head's weights in 8-bit rows beside a target held as blocks (quantization.py)
         out = target.model.get_output_embeddings().weight
         tree = dict(tree or {})
         costs = None

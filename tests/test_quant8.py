@@ -179,3 +179,48 @@ def test_8bit_via_load_target_with_outliers_is_identical(outlier_folder, fitted_
     same, n, hist, diffs = compare_with_vanilla(lt.model, fitted_head(lt.model, steps=60))
     print(f"\n[quant8] eagle2 8-bit via load_target, outliers: {same}/{n} identical to 8-bit vanilla")
     assert not diffs, diffs[:1]
+
+
+def test_a_head_beside_a_block_target_drafts_from_8bit_rows(tmp_path, tiny_lm, fitted_head):
+    """Beside a target held as blocks the head's own linears become 8-bit rows too (its float32
+    layer cost a quarter of a 4-bit target's step on SmolLM2): each product is the one over the
+    rebuilt weights `scale * q`, the shared embedding and lm_head stay the target's, and the
+    output is still exactly the target's, with drafts accepted."""
+    from eagle2_core import leanbody, native, rowgemm
+    from eagle2_core.loading import load_target
+    from eagle2_core.quantization import ROW_I8, head_blocks, rebuild_row_int8
+
+    if native.module() is None:
+        pytest.skip("eagle2's native code is not built here")
+    folder = str(tmp_path / "model")
+    write_model_folder(folder, tiny_lm)
+    model = load_target(folder, load_in_4bit=True, device="cpu").model
+    assert rowgemm.holds_blocks(model)
+    head = fitted_head(model, steps=60)
+    assert not rowgemm.holds_blocks(head)
+    floats = {n: p.detach().clone() for n, p in head.named_parameters()}
+    H = model.config.hidden_size
+    ids, feats, pos = torch.tensor([[3, 1, 4, 1, 5]]), torch.randn(1, 5, H), torch.arange(5)[None]
+    made = head_blocks(head)
+    linears = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
+    assert made > 0 and linears and all(rowgemm.floatless(m.weight) and rowgemm.blocks_of(m.weight).qtype == ROW_I8 for m in linears)
+    assert head.embed is model.get_input_embeddings()  # shared, untouched
+    with torch.no_grad():
+        got = head(ids, feats, pos)
+        ref = type(head)(head.spec).eval()
+        for n, p in ref.named_parameters():
+            q = dict(head.named_parameters())[n]
+            p.copy_(rebuild_row_int8(rowgemm.blocks_of(q)) if rowgemm.floatless(q) else floats[n])
+        ref.bind(model)
+        want = ref(ids, feats, pos)
+        assert not torch.equal(floats["fc.weight"], rebuild_row_int8(rowgemm.blocks_of(head.fc.weight)))  # rounded
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    fused = leanbody._head_fused(head)  # the native draft step's fused products read the parts' blocks
+    if fused is not None:
+        a, m = head.layers[0].self_attn, head.layers[0].mlp
+        for w, parts in ((fused[1], (a.q_proj, a.k_proj, a.v_proj)), (fused[3], (m.gate_proj, m.up_proj))):
+            assert rowgemm.floatless(w)
+            assert torch.equal(rebuild_row_int8(rowgemm.blocks_of(w)), torch.cat([rebuild_row_int8(rowgemm.blocks_of(x.weight)) for x in parts]))
+    same, n, hist, diffs = compare_with_vanilla(model, head, n_prompts=4)
+    assert not diffs, diffs[:2]
+    assert sum(hist[1:]) > 0
