@@ -112,18 +112,28 @@ def verify_table(prof):
 def products_table(prof):
     from eagle2_core import rowgemm
 
+    from rich.console import Group
+
     plan = prof.plan
-    t = _table("products by weight shape: ms per run of that shape's weights (the chosen kernel in bold)")
-    t.add_column("weight", no_wrap=True)
-    t.add_column("rows", justify="right", no_wrap=True)
-    kinds = sorted({k for by in prof.products.values() for c in by.values() for k in c})
-    for k in kinds:
-        t.add_column(k, justify="right", no_wrap=True)
+    # one table per set of kernels offered: weights held as blocks only (a GGUF's, a head's 8-bit
+    # rows) have the block kernel alone, and beside the float kernels' columns would widen the table
+    groups: dict[tuple, list] = {}
     for key, by_rows in sorted(prof.products.items()):
-        for r, c in sorted(by_rows.items()):
-            pick = plan.kernels[key][rowgemm.bucket(r)]
-            t.add_row(key, str(r), *[(f"[bold]{c[k]:.2f}[/]" if k == pick else f"{c[k]:.2f}") if k in c else "" for k in kinds])
-    return t
+        kinds = tuple(sorted({k for c in by_rows.values() for k in c}))
+        groups.setdefault(kinds, []).append((key, by_rows))
+    tables = []
+    for kinds, rows in groups.items():
+        t = _table("products by weight shape: ms per run of that shape's weights (the chosen kernel in bold)" if not tables else "")
+        t.add_column("weight", no_wrap=True)
+        t.add_column("rows", justify="right", no_wrap=True)
+        for k in kinds:
+            t.add_column(k, justify="right", no_wrap=True)
+        for key, by_rows in rows:
+            for r, c in sorted(by_rows.items()):
+                pick = plan.kernels[key][rowgemm.bucket(r)]
+                t.add_row(key, str(r), *[(f"[bold]{c[k]:.2f}[/]" if k == pick else f"{c[k]:.2f}") if k in c else "" for k in kinds])
+        tables.append(t)
+    return Group(*tables)
 
 
 def batch_table(bc, est, depth: int, top_k: int):

@@ -113,6 +113,27 @@ def mean_row(probs: torch.Tensor) -> torch.Tensor:
     return torch.sort(probs, dim=-1, descending=True).values.mean(0)
 
 
+class Backoff:
+    """When to try drafting (or the head) again after a run stopped it for not paying: `first`
+    cycles later, then twice as long after each further stop in the same run. A stop judges the
+    text so far, and the text changes within an answer (prose, then a copied passage or code);
+    where drafting never pays, the tries cost a few cycles each, fewer and fewer."""
+
+    def __init__(self, first: int = 16):
+        self.wait, self.at = first, None
+
+    def stopped(self, cycle: int) -> None:
+        self.at = cycle + self.wait
+        self.wait *= 2
+
+    def due(self, cycle: int) -> bool:
+        """True once when the try is due."""
+        if self.at is None or cycle < self.at:
+            return False
+        self.at = None
+        return True
+
+
 class BudgetChooser:
     """The per-cycle budget of one engine: measured costs and calibration, refined by its cycles.
 

@@ -65,6 +65,17 @@ class Slot:
         return self.procs is not None and (self.procs.active or self.procs.sampling)
 
 
+def new_tally(old: dict | None = None) -> dict:
+    """Evidence of what the head adds beside the head-free sources (budget.BudgetChooser.head_pays).
+    From `old` (a new run, or a try after a stop): its sums at half weight, its cycles at 0, so the
+    head drafts `patience` cycles before it is judged again, on the new cycles with the old ones
+    behind them (a few cycles alone judge the head by chance; all earlier runs at full weight kept
+    a head judged early stopped in every later run after one cycle)."""
+    if old is None:
+        return {"cycles": 0, "tokens": 0.0, "ms": 0.0, "head_tokens": 0.0, "head_ms": 0.0}
+    return {k: 0 if k == "cycles" else 0.5 * v for k, v in old.items()}
+
+
 @dataclass
 class RowState:
     """Every row's decoding state on the device, row b's at index b of each field: what a draft,
@@ -156,7 +167,12 @@ class Cycle:
         # merged cycles' evidence of what the head adds (budget.BudgetChooser.head_pays), kept across
         # runs like the chooser's: a later run (a chat's next turn) drafts one cycle with the head,
         # adding its evidence, and goes on without it where it has not paid
-        self.head_tally = {"cycles": 0, "tokens": 0.0, "ms": 0.0, "head_tokens": 0.0, "head_ms": 0.0}
+        self.head_tally = new_tally()
+        # while the head is stopped (stop_drafting) in live mode at batch 1: the pairs (f_t, x_{t+1})
+        # it has not absorbed, one ([1, k] tokens, [1, k, F] features) per cycle, so that
+        # `resume_head` catches it up in one forward over them (a prefill of the head) rather than
+        # the head absorbing every cycle while it does not draft. None: nothing kept.
+        self.paused: list | None = None
         self.last: dict = {}
         self.seen: dict = {}
         self.backend = backend if fixed else None
@@ -198,6 +214,7 @@ class Cycle:
         self.host_len = [0] * self.batch  # idle rows keep their lengths (their cells stay inside the view)
         self.speculative = self.hcache is not None
         self.sources_on = self.sources is not None
+        self.paused = None
         if st.new_tokens.shape[1] != self.width:  # a run that went plain left one-token rows
             st.new_tokens = torch.zeros(self.batch, self.width, dtype=torch.long, device=self.run.device)
 
@@ -206,14 +223,39 @@ class Cycle:
         """Whether trees have more than the root: the head drafts, or head-free sources do."""
         return self.speculative or self.sources_on
 
-    def stop_drafting(self, head_only: bool = True) -> None:
-        """No head drafting for the rest of this run: it was measured not to pay. Head-free sources
-        cost no draft step and go on; the per-cycle budget still verifies only what pays. With
-        `head_only` False, no drafting at all (plain cycles) until `resume_sources`: the run's
-        drafted cycles, their bookkeeping included, gave fewer tokens per ms than plain ones."""
+    def stop_drafting(self, head_only: bool = True, resumable: bool = True) -> None:
+        """No head drafting until `resume_head` (live mode at batch 1, unless not `resumable`; elsewhere
+        for the rest of the run): it was measured not to pay. Head-free sources cost no draft step
+        and go on; the per-cycle budget still verifies only what pays. With `head_only` False, no
+        drafting at all (plain cycles) until `resume_sources`: the run's drafted cycles, their
+        bookkeeping included, gave fewer tokens per ms than plain ones."""
+        if self.speculative and self.can_pause and resumable:
+            st = self.state
+            n = int(st.n_new[0])  # this cycle's pending pairs: the first the paused head owes
+            self.paused = [(st.new_tokens[:, :n].clone(), st.new_features[:, :n].clone())]
         self.speculative = False
         if not head_only:
             self.sources_on = False
+
+    @property
+    def can_pause(self) -> bool:
+        """Whether a stopped head can be resumed later in the run: live mode at batch 1, where the
+        pairs it misses are kept (`paused`); elsewhere a stop lasts the run."""
+        return not self.fixed and self.batch == 1 and self.hcache is not None and self.state.new_features is not None
+
+    def resume_head(self) -> bool:
+        """The head drafts again after `stop_drafting`: its next draft first absorbs every pair of
+        the cycles it missed, in one forward. Whether anything changed."""
+        if self.paused is None or self.speculative:
+            return False
+        st = self.state
+        st.new_tokens = torch.cat([t for t, _ in self.paused], 1)
+        st.new_features = torch.cat([f for _, f in self.paused], 1)
+        st.n_new = torch.full_like(st.n_new, st.new_tokens.shape[1])
+        self.absorb = st.new_tokens.shape[1]
+        self.paused = None
+        self.speculative = True
+        return True
 
     def resume_sources(self) -> bool:
         """Head-free drafting on again after `stop_drafting(head_only=False)` (a new request joined
@@ -279,6 +321,7 @@ class Cycle:
             st.new_features[b, 0] = feats[-1]
             st.head_len[b], st.n_new[b] = n - 1, 1
         elif self.hcache is not None:  # drafting stopped: this row's head cache holds nothing of its sequence
+            self.paused = None  # nor can it catch up: the kept pairs are another sequence's
             st.head_len[b] = 0
         st.seq_len[b], st.root[b], st.active[b] = n, root, True
         self.host_len[b] = n
@@ -537,6 +580,9 @@ class Cycle:
             n_new = torch.where(active, accepted + 1, n_new)
         else:
             new_tokens = bonus[:, None]
+            if new_features is not None and feats is not None:  # the root's pair, for a paused head (resume_head)
+                new_features = feats[:, :1].to(new_features.dtype)
+                n_new = torch.where(active, 1, n_new)
         seq_len = torch.where(active, seq_len + accepted + 1, seq_len)
         root = torch.where(active, bonus, root)
         readout = torch.cat([accepted[:, None], depth[:, -1:], new_tokens], 1)  # nodes are in depth order
@@ -671,6 +717,8 @@ class Cycle:
         st.seq_len, st.root, st.n_new, st.new_tokens, st.new_features, readout = new
         values = self.read_back(readout)
         self.absorb = 1 + max(v[0] for v, s in zip(values, self.slots) if s is not None)
+        if self.paused is not None:
+            self.paused.append((st.new_tokens[:, : self.absorb].clone(), st.new_features[:, : self.absorb].clone()))
         t2 = time.perf_counter()
         tail, self.tail_s = self.tail_s if n > 1 or self.speculative else 0.0, 0.0
         self.last = {"tree": n, "draft_s": t1 - t0 + tail, "verify_s": t2 - t1, "busy": self.busy, "batch": b}

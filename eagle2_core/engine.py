@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from .accept import first_token, generation_seed
-from .budget import BudgetChooser, TreePolicy
-from .cycle import Cycle, Slot, bucket
+from .budget import Backoff, BudgetChooser, TreePolicy
+from .cycle import Cycle, Slot, bucket, new_tally
 from .sources import DraftSources
 from .events import GenerationSettings, StepEvent, StopChecker, Summary, collect
 from .kvcache import KVCache, num_cache_layers
@@ -140,6 +140,7 @@ class Engine:
         c.reset()
         if self.chooser is not None:
             self.chooser.start_run(c.batch)
+            c.head_tally = new_tally(c.head_tally)  # each run tries the head on its own text (a stop is re-tried: Backoff)
         return c
 
     def _run(self, queue, poll=None) -> Iterator[tuple[object, object, list[int] | None]]:
@@ -172,6 +173,7 @@ class Engine:
             s.summary.finish(s.stop, time.perf_counter() - s.started)
             return s.key, s.summary, s.tokens
 
+        probe = Backoff(2 * self.chooser.patience if self.chooser is not None else 0)  # re-tries after a stop in this run
         with cycle.session():
             try:
                 while True:
@@ -247,6 +249,7 @@ class Engine:
                         cycle.stop_drafting(head_only=False)
                         self.stats["plain_from_cycle"] = self.stats["cycles"]
                         self.drafting_paid = False
+                        probe.stopped(self.stats["cycles"])
                     elif self.chooser is not None and cycle.speculative and not self.chooser.head_pays(cycle.head_tally):
                         # the head does not pay beside the head-free sources, which go on alone
                         # (sources.py) and are judged afresh
@@ -254,6 +257,13 @@ class Engine:
                         self.chooser.start_run(cycle.batch)
                         self.stats["plain_from_cycle"] = self.stats["cycles"]
                         self.drafting_paid = False
+                        probe.stopped(self.stats["cycles"])
+                    elif probe.due(self.stats["cycles"]) and (cycle.resume_sources() | cycle.resume_head()):
+                        # a stop judged the text so far; the text changes within an answer (a
+                        # copied passage, then free prose): drafting is tried again, judged afresh
+                        self.chooser.start_run(cycle.batch)
+                        cycle.head_tally = new_tally(cycle.head_tally)
+                        self.stats["probes"] = self.stats.get("probes", 0) + 1
                     for b, toks, accepted in rows:
                         s = cycle.slots[b]
                         emitted = s.stop.push(toks)
@@ -294,7 +304,7 @@ class Engine:
             # The kept head lags its target cells: it stopped absorbing when the last run measured
             # that drafting does not pay (stop_drafting). Catching it up would prefill again what
             # is kept, so this run starts plain, as that run went on after `patience` cycles.
-            cycle.stop_drafting()
+            cycle.stop_drafting(resumable=False)
             self.stats["plain_from_cycle"] = self.stats["cycles"]
         elif cycle.speculative:
             reuse = min(reuse, head)

@@ -77,20 +77,24 @@ def quantize(w: torch.Tensor, bits: int) -> BlockWeight:
 
 
 def head_blocks(head) -> int:
-    """A draft head's own linear weights as 8-bit rows (ROW_I8), their float32 values dropped: for
-    a target that runs from blocks. A draft step streams the head's weights as a target step
-    streams the target's; held in float32 beside a 4-bit target, SmolLM2's head layer was 17 MB
-    against the whole target's 85 MB, so a draft step cost a quarter of a target step and never
-    paid (docs/benchmarks.md, session 26). The draft is only a proposal: the head's rounding changes
-    which tokens are drafted, never the output (verification is the target's). The shared
-    embedding and lm_head are the target's own and keep its blocks. Returns the blocks' bytes."""
+    """A draft head's float32 weights as 8-bit rows (ROW_I8), their float32 values dropped, on a
+    CPU with eagle2's kernels. A draft step streams the head's weights as a target step streams
+    the target's: SmolLM2's head (its layer, fc, and the 16,384 lm_head rows it scores) held 55 MB
+    of float32, a quarter of a 4-bit target's step and a tenth of a float32 one's, every step of
+    every tree (docs/benchmarks.md, session 26). The draft is only a proposal: the head's rounding
+    changes which tokens are drafted, never the output (verification is the target's). The
+    embedding, and the lm_head where the head scores the target's own rows, are the target's and
+    stay as they are (a pruned draft vocabulary's rows are the head's copy). Returns the blocks' bytes."""
     from . import rowgemm
 
+    if not rowgemm.have_stream():
+        return 0
+    weights = [m.weight for m in head.modules() if isinstance(m, torch.nn.Linear)]
+    if getattr(head, "draft_vocab", None) is not None and getattr(head, "_shared", None) is not None:
+        weights.append(head.draft_lm_head)  # index_select made it: the head's own copy of those rows
     made = 0
-    for mod in head.modules():
-        w = getattr(mod, "weight", None)
-        if not isinstance(mod, torch.nn.Linear) or w is None or w.dtype != torch.float32 or not quantizable(w, 8) \
-                or rowgemm.blocks_of(w) is not None:
+    for w in weights:
+        if w.dtype != torch.float32 or w.device.type != "cpu" or not quantizable(w, 8) or rowgemm.blocks_of(w) is not None:
             continue
         bw = row_int8(w)
         with torch.no_grad():

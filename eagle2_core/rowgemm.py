@@ -238,11 +238,6 @@ def floatless(weight: torch.Tensor) -> bool:
     return got is not None and got() is weight and _is_stand_in(weight)
 
 
-def holds_blocks(model: nn.Module) -> bool:
-    """Whether any of `model`'s weights is held only as blocks (a GGUF or `--load-in-Nbit` target)."""
-    return any(floatless(p) for p in model.parameters())
-
-
 REBUILD = {"seconds": 0.0}  # time spent rebuilding float32 weights for modules outside our forwards
 _SCRATCH: dict = {}  # "buf": the float32 scratch rebuilt weights live in, kept while `rebuild_scratch` is open
 

@@ -139,8 +139,8 @@ class Runtime:
             raise LoadError(str(e)) from None
         if head is not None and "head" not in sources:
             head = None  # pinned to head-free sources
-        if head is not None and rowgemm.holds_blocks(target.model) and os.environ.get("EAGLE2_HEAD_BLOCKS", "1") != "0":
-            head_blocks(head)  # the head's weights in 8-bit rows beside a target held as blocks (quantization.py)
+        if head is not None and os.environ.get("EAGLE2_HEAD_BLOCKS", "1") != "0":
+            head_blocks(head)  # a float32 head's weights as 8-bit rows on a CPU: a draft step reads a quarter (quantization.py)
         out = target.model.get_output_embeddings().weight
         tree = dict(tree or {})
         costs = None

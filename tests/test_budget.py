@@ -367,3 +367,18 @@ def test_the_head_is_kept_only_where_it_adds_more_than_it_costs():
     assert head_pays(200, 1000, 60, 200)        # 0.2 tok/ms with it, 0.175 without: kept
     assert not head_pays(200, 1000, 20, 200)    # 0.2 with it, 0.225 without: dropped
     assert head_pays(10, 5, 0, 5)               # no time left without it: nothing to compare
+
+
+def test_backoff_tries_again_later_and_later():
+    """After a stop, drafting is tried again `first` cycles later, then twice as long after each
+    further stop; `due` says so once."""
+    from eagle2_core.budget import Backoff
+
+    b = Backoff(16)
+    assert not b.due(100)  # nothing stopped
+    b.stopped(5)
+    assert not b.due(20) and b.due(21) and not b.due(22)
+    b.stopped(30)
+    assert not b.due(61) and b.due(62)
+    b.stopped(70)
+    assert not b.due(133) and b.due(134)

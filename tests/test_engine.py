@@ -639,3 +639,52 @@ def test_a_run_sizes_its_cache_once(tiny_lm, fitted_head, monkeypatch, mode):
     out = run_all(engine, requests(cases))
     assert all(out[i][0] == c["ref"][: len(out[i][0])] and len(out[i][0]) > 0 for i, c in enumerate(cases))
     assert grown == []
+
+
+@pytest.mark.parametrize("name", ["llama", "eagle3"])
+def test_a_stopped_head_catches_up_when_tried_again(tiny_lm, fitted_head, monkeypatch, name):
+    """A head judged not to pay stops drafting (live, batch 1) and the pairs (f_t, x_{t+1}) of the
+    cycles it misses are kept, drafted cycles' and plain ones' alike; the run tries drafting again
+    later (budget.Backoff), and the head's first draft absorbs them all in one forward: its cache
+    then holds what a head that never stopped holds, and its drafts are accepted again. The text
+    is the target's throughout. Pinned: the head does not pay at its first judgment, then drafting
+    as a whole not at the next cycle (plain cycles follow), and both pay ever after."""
+    from eagle2_core.budget import BudgetChooser
+
+    env = make_env(name, tiny_lm, fitted_head)
+    model, head = env["model"], env["head"]
+    ids = [3, 1, 4]
+    ref = reference(model, ids, 34, ())
+    stops: list[str] = []
+
+    def head_pays(self, tally):
+        if not tally or tally["cycles"] < self.patience or stops:
+            return True
+        stops.append("head")
+        return False
+
+    def drafting_pays(self):
+        if stops == ["head"]:
+            stops.append("all")
+            return False
+        return True
+
+    def run(pin: bool):
+        monkeypatch.setattr(BudgetChooser, "head_pays", head_pays if pin else (lambda self, tally: True))
+        monkeypatch.setattr(BudgetChooser, "drafting_pays", property(drafting_pays if pin else (lambda self: True)))
+        engine = make_engine(model, head, "mixed", 1)  # the head beside the head-free sources
+        engine.chooser.patience = 2
+        out = run_all(engine, [Request(0, ids, GenerationSettings(max_new_tokens=34, eos_token_ids=()))])
+        return engine, out[0]
+
+    engine, (tokens, summary) = run(True)
+    never, _ = run(False)
+    assert tokens == ref
+    assert stops == ["head", "all"] and engine.stats["probes"] == 1 and engine.stats["tree_sizes"].get(1, 0) >= 2
+    a, b = engine.cycle, never.cycle
+    n = int(min(a.state.head_len[0], b.state.head_len[0]))
+    assert n >= len(ids) + len(ref) - a.width  # caught up (but for the last cycle's pairs): the stretch it missed is in its cache
+    for la, lb in zip(a.hcache.layers, b.hcache.layers):
+        torch.testing.assert_close(la.keys[0, :, :n], lb.keys[0, :, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(la.values[0, :, :n], lb.values[0, :, :n], rtol=1e-5, atol=1e-5)
+    assert sum(summary.accepted_hist[1:]) > 0
