@@ -215,6 +215,7 @@ class Cycle:
         self.speculative = self.hcache is not None
         self.sources_on = self.sources is not None
         self.paused = None
+        self.absorb = 1  # a head resumed at the last cycle of a run had as many pairs to absorb as it missed
         if st.new_tokens.shape[1] != self.width:  # a run that went plain left one-token rows
             st.new_tokens = torch.zeros(self.batch, self.width, dtype=torch.long, device=self.run.device)
 
@@ -320,6 +321,8 @@ class Cycle:
             st.new_tokens[b, 0] = root
             st.new_features[b, 0] = feats[-1]
             st.head_len[b], st.n_new[b] = n - 1, 1
+            if self.batch == 1:
+                self.absorb = 1  # the row's only pair (not what a resumed head left pending for the last sequence)
         elif self.hcache is not None:  # drafting stopped: this row's head cache holds nothing of its sequence
             self.paused = None  # nor can it catch up: the kept pairs are another sequence's
             st.head_len[b] = 0

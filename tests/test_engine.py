@@ -688,3 +688,9 @@ def test_a_stopped_head_catches_up_when_tried_again(tiny_lm, fitted_head, monkey
         torch.testing.assert_close(la.keys[0, :, :n], lb.keys[0, :, :n], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(la.values[0, :, :n], lb.values[0, :, :n], rtol=1e-5, atol=1e-5)
     assert sum(summary.accepted_hist[1:]) > 0
+    # a head resumed at a run's last cycle leaves many pairs pending: the next request (a new run,
+    # or the same run's next at batch 1) starts from its own prompt's pair alone
+    a.speculative, a.paused = False, [(torch.zeros(1, 20, dtype=torch.long), torch.zeros(1, 20, a.state.new_features.shape[-1]))]
+    assert a.resume_head() and a.absorb == 20
+    again = run_all(engine, [Request(1, ids[:2], GenerationSettings(max_new_tokens=30, eos_token_ids=()))])
+    assert again[1][0] == reference(model, ids[:2], 30, ())
