@@ -121,6 +121,7 @@ class Backoff:
 
     def __init__(self, first: int = 16):
         self.wait, self.at = first, None
+        self.trial = max(2, first // 4)  # cycles a retry drafts before it is judged: where nothing pays they are lost
 
     def stopped(self, cycle: int) -> None:
         self.at = cycle + self.wait
@@ -167,9 +168,12 @@ class BudgetChooser:
         self.patience = patience
         self.start_run(1)
 
-    def start_run(self, batch: int) -> None:
+    def start_run(self, batch: int, trial: int | None = None) -> None:
+        """A run's (or a retry's) judgment of drafting starts: after `trial` cycles (`patience`
+        unless said) it must pay (`drafting_pays`)."""
         self.batch = batch
         self.run_cycles, self.run_tokens, self.run_ms = 0, 0.0, 0.0
+        self.trial = self.patience if trial is None else trial
 
     # -- costs by batch size ------------------------------------------------------------------
     def _state(self) -> dict:
@@ -287,7 +291,7 @@ class BudgetChooser:
     def drafting_pays(self) -> bool:
         """Plain decoding (N = 1, no draft) is one of the choices: after `patience` cycles of a run,
         drafting must have produced more tokens per ms than verifying the root alone would."""
-        if self.run_cycles < self.patience:
+        if self.run_cycles < self.trial:
             return True
         return self.run_tokens / self.run_ms >= self.batch / self.plain_ms()
 

@@ -65,15 +65,15 @@ class Slot:
         return self.procs is not None and (self.procs.active or self.procs.sampling)
 
 
-def new_tally(old: dict | None = None) -> dict:
+def new_tally(old: dict | None = None, cycles: int = 0) -> dict:
     """Evidence of what the head adds beside the head-free sources (budget.BudgetChooser.head_pays).
-    From `old` (a new run, or a try after a stop): its sums at half weight, its cycles at 0, so the
-    head drafts `patience` cycles before it is judged again, on the new cycles with the old ones
+    From `old` (a new run, or a try after a stop): its sums at half weight, its cycles at `cycles`,
+    so the head drafts `patience - cycles` cycles before it is judged again, on them with the old ones
     behind them (a few cycles alone judge the head by chance; all earlier runs at full weight kept
     a head judged early stopped in every later run after one cycle)."""
     if old is None:
         return {"cycles": 0, "tokens": 0.0, "ms": 0.0, "head_tokens": 0.0, "head_ms": 0.0}
-    return {k: 0 if k == "cycles" else 0.5 * v for k, v in old.items()}
+    return {k: cycles if k == "cycles" else 0.5 * v for k, v in old.items()}
 
 
 @dataclass

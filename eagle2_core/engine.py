@@ -261,8 +261,8 @@ class Engine:
                     elif probe.due(self.stats["cycles"]) and (cycle.resume_sources() | cycle.resume_head()):
                         # a stop judged the text so far; the text changes within an answer (a
                         # copied passage, then free prose): drafting is tried again, judged afresh
-                        self.chooser.start_run(cycle.batch)
-                        cycle.head_tally = new_tally(cycle.head_tally)
+                        self.chooser.start_run(cycle.batch, trial=probe.trial)
+                        cycle.head_tally = new_tally(cycle.head_tally, self.chooser.patience - probe.trial)
                         self.stats["probes"] = self.stats.get("probes", 0) + 1
                     for b, toks, accepted in rows:
                         s = cycle.slots[b]
