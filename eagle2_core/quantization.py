@@ -90,8 +90,10 @@ def head_blocks(head) -> int:
     if not rowgemm.have_stream():
         return 0
     weights = [m.weight for m in head.modules() if isinstance(m, torch.nn.Linear)]
-    if getattr(head, "draft_vocab", None) is not None and getattr(head, "_shared", None) is not None:
-        weights.append(head.draft_lm_head)  # index_select made it: the head's own copy of those rows
+    if getattr(head, "_shared", None) and getattr(head, "draft_vocab", None) is not None:
+        lm = getattr(head, "draft_lm_head", None)  # an EAGLE-1/2 head's scored rows (EAGLE-3's lm_head is a module above)
+        if lm is not None:
+            weights.append(lm)  # index_select made it: the head's own copy of those rows
     made = 0
     for w in weights:
         if w.dtype != torch.float32 or w.device.type != "cpu" or not quantizable(w, 8) or rowgemm.blocks_of(w) is not None:

@@ -224,3 +224,27 @@ def test_a_head_beside_a_block_target_drafts_from_8bit_rows(tmp_path, tiny_lm, f
     same, n, hist, diffs = compare_with_vanilla(model, head, n_prompts=4)
     assert not diffs, diffs[:2]
     assert sum(hist[1:]) > 0
+
+
+@pytest.mark.parametrize("arch", ["eagle2", "eagle3"])
+def test_head_blocks_takes_every_head_kind_with_a_pruned_vocabulary(tiny_lm, arch):
+    """A float32 head of either kind with a pruned draft vocabulary: its linears (EAGLE-3's own
+    lm_head among them) and an EAGLE-1/2 head's copy of the scored lm_head rows become 8-bit rows;
+    the target's own weights are not touched, and the scoring product is the one over `scale * q`."""
+    from eagle2_core import native, rowgemm
+    from eagle2_core.quantization import head_blocks, rebuild_row_int8
+    from eagle2_core.train.trainer import new_head
+
+    if native.module() is None:
+        pytest.skip("eagle2's native code is not built here")
+    model = tiny_lm("llama", vocab_size=VOCAB, hidden_size=64, max_position_embeddings=MAXPOS, num_layers=8)  # EAGLE-3 reads 3 layers
+    head = new_head(arch, model, torch.tensor([0, 2, 3, 5, 7, 11]))
+    lm = head.lm_head.weight if arch == "eagle3" else head.draft_lm_head
+    hid = torch.randn(3, 64)
+    want = hid @ lm.detach().clone().t()
+    assert head_blocks(head) > 0
+    assert rowgemm.floatless(lm) and all(rowgemm.floatless(m.weight) for m in head.modules() if isinstance(m, torch.nn.Linear))
+    assert not any(map(rowgemm.floatless, model.parameters()))
+    got = rowgemm.linear_rows(hid, lm)  # the product draft_logits takes (EAGLE-3 normalises before it)
+    torch.testing.assert_close(got, hid @ rebuild_row_int8(rowgemm.blocks_of(lm)).t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)  # int8 rows: close to the float logits
