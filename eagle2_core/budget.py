@@ -119,9 +119,9 @@ class Backoff:
     text so far, and the text changes within an answer (prose, then a copied passage or code);
     where drafting never pays, the tries cost a few cycles each, fewer and fewer."""
 
-    def __init__(self, first: int = 16):
+    def __init__(self, first: int = 16, trial: int = 4):
         self.wait, self.at = first, None
-        self.trial = max(2, first // 4)  # cycles a retry drafts before it is judged: where nothing pays they are lost
+        self.trial = trial  # cycles a retry drafts before it is judged: where nothing pays they are lost
 
     def stopped(self, cycle: int) -> None:
         self.at = cycle + self.wait

@@ -173,7 +173,8 @@ class Engine:
             s.summary.finish(s.stop, time.perf_counter() - s.started)
             return s.key, s.summary, s.tokens
 
-        probe = Backoff(2 * self.chooser.patience if self.chooser is not None else 0)  # re-tries after a stop in this run
+        patience = self.chooser.patience if self.chooser is not None else 0
+        probe = Backoff(2 * patience, max(2, patience // 2))  # re-tries after a stop in this run, each judged sooner than a run's start
         with cycle.session():
             try:
                 while True:
