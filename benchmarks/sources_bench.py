@@ -12,6 +12,7 @@ turns (the first turn's greedy answer in the context, made here by `eagle2 gener
     python3 benchmarks/sources_bench.py                       # SmolLM2 with its head, 96 tokens
     python3 benchmarks/sources_bench.py --model q.gguf --tokens 128 --sets humaneval,mt16
     python3 benchmarks/sources_bench.py --repeats 2           # interleaved repeats: the spread of each ratio
+    python3 benchmarks/sources_bench.py --also no-gate        # and the head drafting every cycle (budget.HeadGate off)
 
 Writes one compare JSON per set and repeat under --out, and prints a markdown table of the speedup
 over plain decoding, tau, and each source's share of the output, with the machine's CPU named.
@@ -72,6 +73,7 @@ def main() -> None:
     ap.add_argument("--sets", default="mt16,humaneval,mt16-second")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--vanilla", action="store_true", help="also run HF generate (identity is then checked against it)")
+    ap.add_argument("--also", default="", help="more compare methods, comma-separated (e.g. no-gate: the head every cycle)")
     ap.add_argument("--out", default="/tmp/eagle2-sources-bench")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -96,6 +98,7 @@ def main() -> None:
             # with a head: the head alone and the head-free sources alone beside the default (all of them);
             # without one the default is the head-free sources, so nothing to add
             against = ["sources:head", "sources:recycle+match"] if default_head_for(a.model) else []
+            against += [m for m in a.also.split(",") if m]
             cmd += (["--against", ",".join(against)] if against else []) + (["--model", a.model] if a.model else [])
             print("+", " ".join(cmd), flush=True)
             subprocess.run(cmd, check=True)

@@ -101,7 +101,8 @@ def divergence_text(d, decode) -> str:
                    "auto or auto:N/D/K (the tree size chosen every cycle, up to N, from measured costs), "
                    "graph and compiled (EAGLE-2 in graph mode: fixed shapes, uncaptured and captured), "
                    "generate-compiled (HF generate with a static cache and torch.compile), "
-                   "batch:auto, batch:B or batch:BxN (eagle2 batched at B sequences, trees of N; N=1: plain).")
+                   "batch:auto, batch:B or batch:BxN (eagle2 batched at B sequences, trees of N; N=1: plain), "
+                   "sources:A+B (only those draft sources), no-gate (the head drafting every cycle beside the head-free sources).")
 @click.option("--plain/--no-plain", "plain", default=None,
               help="Also run eagle2's own plain decoding (no draft, same kernels), so the speedup splits into kernels alone "
                    "(plain over generate) and speculation alone (eagle2 over plain). Default: on where the model runs on a CPU.")

@@ -113,6 +113,71 @@ def mean_row(probs: torch.Tensor) -> torch.Tensor:
     return torch.sort(probs, dim=-1, descending=True).values.mean(0)
 
 
+def new_tally(old: dict | None = None, cycles: int = 0) -> dict:
+    """Evidence of what the head adds beside the head-free sources (`head_pays`): cycles, tokens
+    and ms of the cycles it drafted, the accepted nodes only it proposed and its draft ms. From
+    `old` (a new run, or a try after a stop): its sums at half weight, its cycles at `cycles`, so
+    the head drafts `patience - cycles` cycles before it is judged again, on them with the old
+    ones behind them (a few cycles alone judge the head by chance; all earlier runs at full
+    weight kept a head judged early stopped in every later run after one cycle)."""
+    if old is None:
+        return {"cycles": 0, "tokens": 0.0, "ms": 0.0, "head_tokens": 0.0, "head_ms": 0.0}
+    return {k: cycles if k == "cycles" else 0.5 * v for k, v in old.items()}
+
+
+class HeadGate:
+    """Whether the head drafts this cycle, judged by what the head-free sources already offer.
+
+    The head's step is paid before its nodes are seen, so the per-cycle budget cannot leave it
+    out; but the head-free sources' tree is known first, at no draft cost, and section 3's
+    estimate of its worth (1 + the sum of its verified nodes' calibrated probabilities) says how
+    much room the head has: where a copied passage already offers three tokens, the head's nodes
+    mostly repeat them. So the evidence of `head_pays` is kept per bin of that estimate, and the
+    head drafts a cycle where, in its bin, the cycles it drafted gave more tokens per ms than they
+    would have without its steps and its own accepted nodes. A bin that does not pay still drafts
+    one cycle in `explore + 1` (its evidence would otherwise never change); every bin starts on
+    (`patience` cycles before it is judged), and keeps about its last `window` cycles. Only which
+    nodes are drafted changes: the output stays the target's."""
+
+    EDGES = (1.3, 1.6, 2.0, 2.6, 3.5)  # expected tokens of the head-free tree: bins of room left for the head
+
+    def __init__(self, patience: int = 8, explore: int = 8, window: int = 32):
+        self.patience, self.explore, self.window = patience, explore, window
+        self.tallies = [new_tally() for _ in range(len(self.EDGES) + 1)]
+        self.skips = [0] * len(self.tallies)
+
+    def bin(self, expected: float) -> int:
+        return sum(expected >= e for e in self.EDGES)
+
+    def wants(self, b: int) -> bool:
+        t = self.tallies[b]
+        if t["cycles"] < self.patience or head_pays(t["tokens"], t["ms"], t["head_tokens"], t["head_ms"]):
+            self.skips[b] = 0
+            return True
+        self.skips[b] += 1
+        if self.skips[b] > self.explore:
+            self.skips[b] = 0
+            return True
+        return False
+
+    def record(self, b: int, tokens: float, ms: float, head_tokens: float, head_ms: float) -> None:
+        t = self.tallies[b]
+        t["cycles"] += 1
+        t["tokens"] += tokens
+        t["ms"] += ms
+        t["head_tokens"] += head_tokens
+        t["head_ms"] += head_ms
+        if t["cycles"] > self.window:  # about the last `window` cycles of the bin: the text drifts
+            keep = self.window / t["cycles"]
+            for k in t:
+                t[k] *= keep
+
+    def new_run(self) -> None:
+        """A new run (a chat's next turn, a prompt file's next prompt) keeps the evidence: the bins
+        already say what the head adds beside what this text's sources offer."""
+        self.skips = [0] * len(self.tallies)
+
+
 class Backoff:
     """When to try drafting (or the head) again after a run stopped it for not paying: `first`
     cycles later, then twice as long after each further stop in the same run. A stop judges the

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from .accept import accept_greedy_batch, accept_sampling_keyed, position_uniforms
-from .budget import TreePolicy
+from .budget import HeadGate, TreePolicy, new_tally
 from .kvcache import KVCache, num_cache_layers
 from .rowgemm import row_linears
 from .sources import DraftSources, pad_trees
@@ -63,17 +63,6 @@ class Slot:
     def host_side(self) -> bool:
         """Whether verifying this row needs host-side steps (processors, sampling): never captured."""
         return self.procs is not None and (self.procs.active or self.procs.sampling)
-
-
-def new_tally(old: dict | None = None, cycles: int = 0) -> dict:
-    """Evidence of what the head adds beside the head-free sources (budget.BudgetChooser.head_pays).
-    From `old` (a new run, or a try after a stop): its sums at half weight, its cycles at `cycles`,
-    so the head drafts `patience - cycles` cycles before it is judged again, on them with the old ones
-    behind them (a few cycles alone judge the head by chance; all earlier runs at full weight kept
-    a head judged early stopped in every later run after one cycle)."""
-    if old is None:
-        return {"cycles": 0, "tokens": 0.0, "ms": 0.0, "head_tokens": 0.0, "head_ms": 0.0}
-    return {k: cycles if k == "cycles" else 0.5 * v for k, v in old.items()}
 
 
 @dataclass
@@ -173,6 +162,12 @@ class Cycle:
         # `resume_head` catches it up in one forward over them (a prefill of the head) rather than
         # the head absorbing every cycle while it does not draft. None: nothing kept.
         self.paused: list | None = None
+        # live mode at batch 1 beside head-free sources: whether the head drafts each cycle, from
+        # what those sources offer first (budget.HeadGate; set by the engine). `gated`: the head
+        # skipped the last cycle (its pairs wait in `paused`), so this one asks the gate again.
+        self.gate: HeadGate | None = None
+        self.gated = False
+        self.gate_s = 0.0
         self.last: dict = {}
         self.seen: dict = {}
         self.backend = backend if fixed else None
@@ -214,7 +209,7 @@ class Cycle:
         self.host_len = [0] * self.batch  # idle rows keep their lengths (their cells stay inside the view)
         self.speculative = self.hcache is not None
         self.sources_on = self.sources is not None
-        self.paused = None
+        self.paused, self.gated = None, False
         self.absorb = 1  # a head resumed at the last cycle of a run had as many pairs to absorb as it missed
         if st.new_tokens.shape[1] != self.width:  # a run that went plain left one-token rows
             st.new_tokens = torch.zeros(self.batch, self.width, dtype=torch.long, device=self.run.device)
@@ -234,7 +229,7 @@ class Cycle:
             st = self.state
             n = int(st.n_new[0])  # this cycle's pending pairs: the first the paused head owes
             self.paused = [(st.new_tokens[:, :n].clone(), st.new_features[:, :n].clone())]
-        self.speculative = False
+        self.speculative, self.gated = False, False
         if not head_only:
             self.sources_on = False
 
@@ -257,6 +252,32 @@ class Cycle:
         self.paused = None
         self.speculative = True
         return True
+
+    @property
+    def gating(self) -> bool:
+        """Whether the head's drafting is decided cycle by cycle (`HeadGate`): live mode at batch 1
+        beside head-free sources, where the pairs of a skipped cycle are kept (`can_pause`)."""
+        return self.gate is not None and self.sources is not None and self.can_pause
+
+    def catch_up_head(self) -> None:
+        """A paused head absorbs the pairs it missed, all but the last (which stays pending, as
+        after any cycle), so a kept sequence (prefix.Kept) holds every head cell: a chat's next
+        turn then reuses them instead of prefilling the answer again. A head the engine stopped
+        (not the gate's skip) stays stopped, resumable."""
+        stopped = not self.gated
+        self.gated = False
+        if not self.resume_head():
+            return
+        st = self.state
+        w = st.new_tokens.shape[1]
+        if w > 1:
+            self._absorb(st.new_tokens[:, : w - 1], st.new_features[:, : w - 1], st.head_len, 1)
+            st.head_len = torch.where(st.active, st.head_len + w - 1, st.head_len)
+        st.new_tokens, st.new_features = st.new_tokens[:, w - 1 :].contiguous(), st.new_features[:, w - 1 :].contiguous()
+        st.n_new = torch.ones_like(st.n_new)
+        self.absorb = 1
+        if stopped:
+            self.paused, self.speculative = [(st.new_tokens.clone(), st.new_features.clone())], False
 
     def resume_sources(self) -> bool:
         """Head-free drafting on again after `stop_drafting(head_only=False)` (a new request joined
@@ -348,6 +369,8 @@ class Cycle:
         had absorbed by then (admit zeroes a row's head length when it does not absorb)."""
         from .prefix import Kept
 
+        if self.paused is not None and self.batch == 1:
+            self.catch_up_head()
         length = min(self.host_len[b], len(ids))
         head, head_len = None, 0
         if self.hcache is not None and self.hcache.layers[0].is_initialized:
@@ -368,6 +391,8 @@ class Cycle:
     def release(self, b: int) -> Slot:
         slot, self.slots[b] = self.slots[b], None
         self.state.active[b] = False
+        if self.gated:  # a skipped cycle's pause ends with its sequence: the next one drafts with the head
+            self.paused, self.gated, self.speculative = None, False, True
         if self.sources is not None:
             self.sources.forget(self.slots)
         return slot
@@ -403,15 +428,11 @@ class Cycle:
     def draft_fn(self, new_tokens, new_features, head_len, n_new, root, active):
         """Absorb every row's new pairs, then grow one tree per row. Returns the trees
         (tokens, parents, depth, ancestors, path scores), each [B, N], and the head's new length."""
-        head, h, dev = self.head, self.hcache, new_tokens.device
+        head = self.head
         if not self.fixed:  # live: the width actually accepted (the last read-back says), not depth + 1
             new_tokens, new_features = new_tokens[:, : self.absorb], new_features[:, : self.absorb]
         b, w = new_tokens.shape
-        dtype = head.fc.weight.dtype
-        positions = head_len[:, None] + torch.arange(w, device=dev)
-        view = self.span(w + self.depth * self.k)
-        h.cells, h.view = positions, view
-        out = head(new_tokens, head.project(new_features), positions, attention_mask=additive(causal_rows(positions, view), dtype), cache=h)
+        out, view = self._absorb(new_tokens, new_features, head_len, self.depth * self.k)
         last = (n_new - 1).clamp(max=w - 1)  # an idle row may hold a wider stale count
         hid = out.gather(1, last[:, None, None].expand(b, 1, out.shape[-1]))[:, 0]  # each row's root state
         ctx = head_len + n_new                  # the head's context after the absorb = the root's position
@@ -421,6 +442,16 @@ class Cycle:
             self.policy.begin(active, self.busy == b)
         grow = self._grow_dynamic if self.tree.shape == "dynamic" else self._grow_static
         return grow(hid, logp, ctx, view, root) + (head_len,)
+
+    def _absorb(self, new_tokens, new_features, head_len, extra: int):
+        """The head takes pairs [B, w] (f_t, x_{t+1}) into its cache cells head_len .. + w - 1;
+        `extra` rows may follow in the view (a tree's). Returns its outputs [B, w, H] and the view."""
+        head, h = self.head, self.hcache
+        positions = head_len[:, None] + torch.arange(new_tokens.shape[1], device=new_tokens.device)
+        view = self.span(new_tokens.shape[1] + extra)
+        h.cells, h.view = positions, view
+        bias = additive(causal_rows(positions, view), head.fc.weight.dtype)
+        return head(new_tokens, head.project(new_features), positions, attention_mask=bias, cache=h), view
 
     def head_step(self, tokens, front_h, ctx, d: int, visible, view):
         """Feed one depth of tree nodes [B, m] (depth d + 1, all at position ctx + d); `visible`
@@ -692,9 +723,25 @@ class Cycle:
         b, dev, st = self.batch, self.run.device, self.state
         if self.sources is not None:
             self.sources.last = []
+        free, gate_bin, self.gate_s = None, None, 0.0
+        if self.gated:  # the head skipped the last cycle: the gate asks again
+            self.resume_head()
+            self.gated = False
+        if self.speculative and self.sources_on and self.gating and self.policy is not None:
+            # the head-free sources' tree first (no draft step): its expected tokens at the size
+            # the budget would verify (section 3) say how much room the head has this cycle
+            self.policy.begin(st.active, True, steps=0)
+            free = self.merge(None, None, None, st.root)
+            gate_bin = self.gate.bin(1.0 + float(free[4][0, 1:].exp().sum()))
+            self.gate_s = time.perf_counter() - t0
+            if not self.gate.wants(gate_bin):
+                self.stop_drafting()  # its pairs wait in `paused`; the next cycle asks again
+                self.gated, gate_bin = True, None
         if self.speculative:
             tokens, parents, depth, anc, scores, st.head_len = self._call(
                 "draft", self._draft, st.new_tokens, st.new_features, st.head_len, st.n_new, st.root, st.active)
+        elif free is not None:
+            tokens, parents, depth, anc, scores = free
         elif self.sources_on:  # no head (or it stopped paying): the head-free sources alone
             if self.policy is not None:
                 self.policy.begin(st.active, self.busy == b, steps=0)
@@ -740,12 +787,16 @@ class Cycle:
             only_head = self.sources.observe(path.tolist(), [v[0] for v in values], busy, [self.slots[i].summary for i in busy], n,
                                              emitted)
             if self.speculative:
-                h = self.head_tally
-                h["cycles"] += 1
-                h["tokens"] += sum(values[i][0] + 1 for i in busy)
-                h["ms"] += 1000 * (t2 - t0 + tail)
-                h["head_tokens"] += only_head
-                h["head_ms"] += 1000 * max(0.0, t1 - t0 - self.merge_s)
+                made, ms, head_ms = sum(values[i][0] + 1 for i in busy), 1000 * (t2 - t0 + tail), 1000 * max(0.0, t1 - t0 - self.merge_s - self.gate_s)
+                if gate_bin is not None:
+                    self.gate.record(gate_bin, made, ms, only_head, head_ms)
+                else:
+                    h = self.head_tally
+                    h["cycles"] += 1
+                    h["tokens"] += made
+                    h["ms"] += ms
+                    h["head_tokens"] += only_head
+                    h["head_ms"] += head_ms
         if scores is not None and (self.policy is not None or self.record_confidence):
             self._observe(scores, path, [v[0] for v in values], t1 - t0 + tail, t2 - t1)
         if self.drafting:

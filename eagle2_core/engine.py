@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from .accept import first_token, generation_seed
-from .budget import Backoff, BudgetChooser, TreePolicy
-from .cycle import Cycle, Slot, bucket, new_tally
+from .budget import Backoff, BudgetChooser, HeadGate, TreePolicy, new_tally
+from .cycle import Cycle, Slot, bucket
 from .sources import DraftSources
 from .events import GenerationSettings, StepEvent, StopChecker, Summary, collect
 from .kvcache import KVCache, num_cache_layers
@@ -96,6 +96,7 @@ class Engine:
         # one product where that costs no more than internal rows first (a GPU; cheap rows).
         rows = self.batch * (self.tree.total_tokens if drafts else 1)
         self.one_product = self.graph or run.device.type != "cpu" or costs is None or costs.rows_are_cheap(rows)
+        self.gate_head = True  # False: the head drafts every cycle until `head_pays` stops it for a while (benchmarks)
         self.chooser = None  # the per-cycle budget, kept across runs: a chat's later turns use what earlier ones measured
         if drafts and not self.graph and self.tree.budget == "auto" and self.tree.shape == "dynamic":
             if costs is None:
@@ -141,6 +142,11 @@ class Engine:
         if self.chooser is not None:
             self.chooser.start_run(c.batch)
             c.head_tally = new_tally(c.head_tally)  # each run tries the head on its own text (a stop is re-tried: Backoff)
+            if self.gate_head:  # batch 1 beside head-free sources: the head drafts the cycles where it pays (HeadGate)
+                c.gate = c.gate or HeadGate(self.chooser.patience)
+                c.gate.new_run()
+            else:
+                c.gate = None
         return c
 
     def _run(self, queue, poll=None) -> Iterator[tuple[object, object, list[int] | None]]:
@@ -241,6 +247,8 @@ class Engine:
                         self._compact(cycle)
                     rows = cycle.step()
                     self.stats["cycles"] += 1
+                    if cycle.gated:  # the head skipped this cycle (HeadGate)
+                        self.stats["head_skips"] = self.stats.get("head_skips", 0) + 1
                     self.heartbeat = time.time()
                     n = cycle.last["tree"]
                     self.stats["tree_sizes"][n] = self.stats["tree_sizes"].get(n, 0) + 1
@@ -251,7 +259,8 @@ class Engine:
                         self.stats["plain_from_cycle"] = self.stats["cycles"]
                         self.drafting_paid = False
                         probe.stopped(self.stats["cycles"])
-                    elif self.chooser is not None and cycle.speculative and not self.chooser.head_pays(cycle.head_tally):
+                    elif (self.chooser is not None and cycle.speculative and not cycle.gating
+                          and not self.chooser.head_pays(cycle.head_tally)):
                         # the head does not pay beside the head-free sources, which go on alone
                         # (sources.py) and are judged afresh
                         cycle.stop_drafting()

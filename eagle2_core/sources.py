@@ -326,7 +326,8 @@ class DraftSources:
         which is what the budget reads to leave them out (section 3's estimate, biased by its own
         choice). A sampled row learns from verified nodes only. The summaries (events.Summary)
         count verified nodes, accepted nodes and calibration per source.
-        Returns how many accepted nodes the head alone proposed (what it adds to the others)."""
+        Returns how many accepted nodes exist because of the head: those it alone proposed and
+        the accepted nodes below them (what it adds to the others)."""
         only_head = 0
         for j, (b, summary) in enumerate(zip(rows, summaries)):
             tree = self.last[b] if b < len(self.last) else None
@@ -338,12 +339,18 @@ class DraftSources:
             if emitted is not None and emitted[j] is not None:
                 after = dict(zip(acc, emitted[j]))
             upto = len(tree.tokens) if after is not None else min(verified, len(tree.tokens))
+            # what the head adds: accepted nodes only it proposed, and the accepted nodes below
+            # them (the others' extensions of a node only the head proposed exist because of it)
+            owed = False
+            for i in acc[1:]:
+                if i >= len(tree.tokens):  # a padding node (pad_trees) the target happened to take: no source's
+                    break
+                owed = owed or all(src == "head" for src, _, _ in tree.proposers[i])
+                only_head += owed
             for i in range(1, upto):
                 checked = i < verified
                 conditional = tree.parents[i] in on
                 got = i in on if checked else (conditional and after.get(tree.parents[i]) == tree.tokens[i])
-                if checked:
-                    only_head += got and all(src == "head" for src, _, _ in tree.proposers[i])
                 for src, bn, pred in tree.proposers[i]:
                     if conditional and src in self.cal:
                         self.cal[src].add(bn, got)

@@ -382,3 +382,25 @@ def test_backoff_tries_again_later_and_later():
     assert not b.due(61) and b.due(62)
     b.stopped(70)
     assert not b.due(133) and b.due(134)
+
+
+def test_the_head_gate_judges_each_bin_of_the_head_free_trees_worth():
+    """HeadGate: per bin of the head-free tree's expected tokens, the head drafts until it has
+    `patience` cycles of evidence there, then where it paid; a bin where it did not still drafts
+    one cycle in `explore + 1`; a bin keeps about its last `window` cycles."""
+    from eagle2_core.budget import HeadGate
+
+    g = HeadGate(patience=4, explore=3)
+    low, high = g.bin(1.1), g.bin(3.0)
+    assert low == 0 and high > low and g.bin(100.0) == len(g.EDGES)
+    for _ in range(4):
+        assert g.wants(low) and g.wants(high)
+        g.record(low, 2.0, 10.0, 0.8, 2.0)    # 0.2 tok/ms with the head, 0.15 without: it pays
+        g.record(high, 4.0, 10.0, 0.1, 2.0)   # 0.4 with it, 0.4875 without: it does not
+    assert all(g.wants(low) for _ in range(10))
+    assert [g.wants(high) for _ in range(8)] == [False, False, False, True] * 2
+    g.new_run()
+    assert not g.wants(high)  # a new run keeps the evidence
+    for _ in range(g.window):
+        g.record(high, 4.0, 10.0, 2.0, 2.0)  # the text changed: now 0.4 with it, 0.25 without
+    assert g.tallies[high]["cycles"] == g.window and g.wants(high)

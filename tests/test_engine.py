@@ -674,6 +674,7 @@ def test_a_stopped_head_catches_up_when_tried_again(tiny_lm, fitted_head, monkey
         monkeypatch.setattr(BudgetChooser, "drafting_pays", property(drafting_pays if pin else (lambda self: True)))
         engine = make_engine(model, head, "mixed", 1)  # the head beside the head-free sources
         engine.chooser.patience = 2
+        engine.gate_head = False  # the run-level judgment (batched runs'); at batch 1 HeadGate decides per cycle
         out = run_all(engine, [Request(0, ids, GenerationSettings(max_new_tokens=34, eos_token_ids=()))])
         return engine, out[0]
 
@@ -694,3 +695,49 @@ def test_a_stopped_head_catches_up_when_tried_again(tiny_lm, fitted_head, monkey
     assert a.resume_head() and a.absorb == 20
     again = run_all(engine, [Request(1, ids[:2], GenerationSettings(max_new_tokens=30, eos_token_ids=()))])
     assert again[1][0] == reference(model, ids[:2], 30, ())
+
+
+@pytest.mark.parametrize("name", ["llama", "eagle3"])
+def test_the_gate_skips_the_head_for_some_cycles_and_it_catches_up(tiny_lm, fitted_head, monkeypatch, name):
+    """budget.HeadGate decides per cycle whether the head drafts beside the head-free sources
+    (live, batch 1). Pinned to skip stretches of cycles, the last cycle of the answer among them:
+    the text is the target's, each skipped stretch is absorbed by the head's next draft, and the
+    kept sequence (a chat's next turn reuses it) holds every head cell but the last pair's, the
+    cells a head that never skipped holds. The same run's next request drafts with the head."""
+    from eagle2_core.budget import HeadGate
+    from eagle2_core.prefix import PrefixCache
+
+    env = make_env(name, tiny_lm, fitted_head)
+    model, head = env["model"], env["head"]
+    ids = [3, 1, 4]
+    ref = reference(model, ids, 30, ())
+    asked: list[bool] = []
+
+    def run(pin: bool, monkeypatch):
+        monkeypatch.setattr(HeadGate, "wants", lambda self, b: asked.append(len(asked) in (0, 3, 6) or not pin) or asked[-1])
+        engine = make_engine(model, head, "mixed", 1, prefix_cache=PrefixCache(64))
+        gen = GenerationSettings(max_new_tokens=30, eos_token_ids=())
+        out = run_all(engine, [Request(0, ids, gen, keep=True)])
+        return engine, out[0]
+
+    engine, (tokens, summary) = run(True, monkeypatch)
+    n_asked, skipped = len(asked), asked.count(False)
+    asked.clear()
+    never, _ = run(False, monkeypatch)
+    assert tokens == ref and n_asked >= 5 and skipped == n_asked - 2 - (n_asked > 6), (skipped, n_asked)  # a resume at cycle 3
+    (a,), (b,) = engine.prefix.entries.values(), never.prefix.entries.values()
+    assert a.ids == b.ids and a.head_len == len(a.ids) - 1 >= b.head_len  # caught up: every pair but the last
+    n = b.head_len
+    for la, lb in zip(a.head, b.head):
+        torch.testing.assert_close(la[0][..., :n, :], lb[0][..., :n, :], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(la[1][..., :n, :], lb[1][..., :n, :], rtol=1e-5, atol=1e-5)
+    assert sum(summary.accepted_hist[1:]) > 0
+    # the next request of a run whose last cycle skipped the head: its prompt is absorbed, it drafts
+    monkeypatch.setattr(HeadGate, "wants", lambda self, b: engine.cycle.slots[0].key != 1)  # request 1 skips every cycle
+    drafted = collections.Counter()
+    c, real = engine.cycle, engine.cycle._draft  # the cycle (and its bound draft) outlive a run
+    monkeypatch.setattr(c, "_draft", lambda *a: drafted.update([c.slots[0].key]) or real(*a))
+    gen = GenerationSettings(max_new_tokens=12, eos_token_ids=())
+    out = run_all(engine, [Request(1, [2, 7], gen), Request(2, [5, 1, 6], gen)])
+    assert out[1][0] == reference(model, [2, 7], 12, ()) and out[2][0] == reference(model, [5, 1, 6], 12, ())
+    assert drafted[1] == 0 and drafted[2] >= 2

@@ -145,6 +145,24 @@ def test_nodes_the_budget_left_out_are_judged_by_what_the_target_emitted():
     assert counts(src) == (2, 1)
 
 
+def test_what_the_head_adds_counts_the_nodes_below_its_own():
+    """DraftSources.observe's return, the head's evidence (budget.head_pays, HeadGate): accepted
+    nodes only the head proposed, and every accepted node below one of them (a copied chain that
+    continues a node only the head proposed exists because of the head); a node the head proposed
+    with another source is not its alone."""
+    from eagle2_core.sources import RowTree
+
+    src = DraftSources(("recycle", "match"), vocab=20)
+    head, both, match = [("head", 0, 0.5)], [("head", 0, 0.5), ("match", 0, 0.5)], [("match", 0, 0.9)]
+    # root 7 -> 3 (head and match) -> 4 (head alone) -> 5 (match) -> 6 (match); 8 under the root (head)
+    tree = RowTree([7, 3, 4, 5, 6, 8], [-1, 0, 1, 2, 3, 0], [1.0, 0.6, 0.4, 0.35, 0.3, 0.2],
+                   [[], both, head, match, match, head], [None] * 6)
+    src.last = [tree]
+    assert src.observe([[0, 1, 2, 3, 4]], [4], [0], [None], 6, [[3, 4, 5, 6, 9]]) == 3  # 4, then 5 and 6 below it
+    assert src.observe([[0, 1, 0, 0, 0]], [1], [0], [None], 6, [[3, 9]]) == 0
+    assert src.observe([[0, 5, 0, 0, 0]], [1], [0], [None], 6, [[8, 9]]) == 1
+
+
 def test_parse_sources():
     assert parse_sources(None, True) == ("head", "recycle", "match")
     assert parse_sources(None, False) == ("recycle", "match")
