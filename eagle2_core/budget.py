@@ -216,6 +216,8 @@ class BudgetChooser:
     its earlier ones measured.
     """
 
+    LIFE_WINDOW = 256  # drafted cycles of earlier runs kept as `drafting_pays`'s prior (scaled down past it)
+
     def __init__(self, profile, max_tokens: int, step_ms: float, bins: int = 10, prior_cycles: float = 4.0, prior_nodes: float = 50.0,
                  batch_costs=None, step_at=None, patience: int = 8):
         self.profile, self.max_tokens, self.batch_costs = profile, max_tokens, batch_costs
@@ -235,7 +237,14 @@ class BudgetChooser:
 
     def start_run(self, batch: int, trial: int | None = None) -> None:
         """A run's (or a retry's) judgment of drafting starts: after `trial` cycles (`patience`
-        unless said) it must pay (`drafting_pays`)."""
+        unless said) it must pay (`drafting_pays`). The run that ends joins the earlier ones'
+        evidence (about their last `LIFE_WINDOW` drafted cycles, per batch size)."""
+        if getattr(self, "run_cycles", 0):
+            life = self._state()["life"]
+            for i, v in enumerate((self.run_tokens, self.run_ms, self.run_cycles)):
+                life[i] += v
+            if life[2] > self.LIFE_WINDOW:
+                life[:] = [v * self.LIFE_WINDOW / life[2] for v in life]
         self.batch = batch
         self.run_cycles, self.run_tokens, self.run_ms = 0, 0.0, 0.0
         self.trial = self.patience if trial is None else trial
@@ -246,7 +255,7 @@ class BudgetChooser:
         if b not in self._by_batch:
             self._by_batch[b] = {"prior": self._prior(b), "sum": torch.zeros(self.max_tokens, dtype=torch.float64),
                                  "n": torch.zeros(self.max_tokens, dtype=torch.float64), "draft_n": 0, "draft": [0.0] * 4,
-                                 "table": None, "fit": None}
+                                 "table": None, "fit": None, "life": [0.0, 0.0, 0.0]}
         return self._by_batch[b]
 
     def _prior(self, b: int) -> torch.Tensor:
@@ -355,10 +364,23 @@ class BudgetChooser:
     @property
     def drafting_pays(self) -> bool:
         """Plain decoding (N = 1, no draft) is one of the choices: after `patience` cycles of a run,
-        drafting must have produced more tokens per ms than verifying the root alone would."""
+        drafting must have produced more tokens per ms than verifying the root alone would.
+
+        A few cycles judge by chance: 13 tokens in 10 cycles is tau 1.3 where the same prompt
+        gave 1.8 in another pass, and a stop on it decoded the stretch plain where drafting paid
+        (SmolLM2, float32 weights, mt16: 99 of 324 cycles plain, 0.96x the best constant tree,
+        which never stops). So the earlier runs' drafted cycles stand behind the run's own, as
+        `patience` pseudo-cycles at their mean tokens and ms: a stop needs the run to fall
+        clearly below plain where drafting has paid before, and comes as soon as ever where it
+        has not."""
         if self.run_cycles < self.trial:
             return True
-        return self.run_tokens / self.run_ms >= self.batch / self.plain_ms()
+        tokens, ms = self.run_tokens, self.run_ms
+        life_tokens, life_ms, life_cycles = self._state()["life"]
+        if life_cycles:
+            w = self.patience / life_cycles
+            tokens, ms = tokens + w * life_tokens, ms + w * life_ms
+        return tokens / ms >= self.batch / self.plain_ms()
 
     def head_pays(self, tally: dict | None) -> bool:
         """Whether the head pays beside the head-free sources (sources.py) over this run: with it,

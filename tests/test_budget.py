@@ -338,6 +338,28 @@ def test_drafting_stops_when_it_buys_less_than_plain_decoding():
         assert ch.drafting_pays == pays
 
 
+def test_earlier_runs_stand_behind_a_runs_judgment_of_drafting():
+    """`drafting_pays` weighs a run's few cycles with `patience` pseudo-cycles of the earlier runs'
+    drafted ones: after runs where drafting paid (3 tokens per 32 ms against a root verify of
+    24.25 ms), a run whose first cycles give slightly less than plain goes on drafting; a clearly
+    useless run still stops; with no earlier runs the run's own cycles decide alone."""
+    prof = fake_profile({1: 30.0, 2: 20.0, 3: 25.0, 4: 22.0, 8: 40.0})
+
+    def run(ch, tokens: float, cycles: int | None = None) -> bool:
+        ch.start_run(1)
+        for _ in range(cycles or ch.patience):
+            ch.observe(torch.full((1, 2), 0.3), torch.zeros(1, 2), draft_ms=10.0, verify_ms=22.0, steps=1, tokens=tokens)
+        return ch.drafting_pays
+
+    assert not run(BudgetChooser(prof, 8, step_ms=5.0), 1.25)  # 1.25 / 32 < 1 / 24.25, nothing behind it
+    ch = BudgetChooser(prof, 8, step_ms=5.0)
+    for _ in range(3):
+        assert run(ch, 3.0)
+    assert run(ch, 1.25)      # (8 x 1.25 + 8 x 3) / (16 x 32) = 0.066 tokens per ms: on
+    assert not run(ch, 0.25, cycles=40)  # 40 cycles of almost nothing outweigh them
+    assert ch._state()["life"][2] == pytest.approx(3 * 8 + 8)  # the runs before the last one
+
+
 def test_the_cost_table_never_falls_with_the_tree_size():
     """A dip in a timed table is noise (a smaller verify could always be padded to the larger one):
     pooled with its neighbours at their evidence-weighted mean, so one noisy size does not decide
