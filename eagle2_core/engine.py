@@ -4,7 +4,8 @@ Chat is one request; a prompt file is a queue, and a row whose sequence ends tak
 prompt (continuous batching). The engine owns what the cycle does not: admitting prompts into
 free rows, stop handling and events, dropping idle rows once the queue runs dry, and its
 policy: the per-cycle budget (budget.py), which sizes every live cycle's tree and may stop
-drafting when it does not pay, and the lm_head plan from the measured costs. The cycle itself
+drafting when it does not pay, the head gate (budget.HeadGate, which the cycle asks whether the
+head drafts beside the head-free sources), and the lm_head plan from the measured costs. The cycle itself
 (draft, verify, commit) and its two modes, live and fixed (captured), are cycle.py's; the KV
 cache is kvcache.py's.
 """
