@@ -125,6 +125,20 @@ def new_tally(old: dict | None = None, cycles: int = 0) -> dict:
     return {k: cycles if k == "cycles" else 0.5 * v for k, v in old.items()}
 
 
+def add_to_tally(t: dict, tokens: float, ms: float, head_tokens: float, head_ms: float) -> None:
+    """One cycle the head drafted: what it made in how long, what exists because of the head, its draft ms."""
+    t["cycles"] += 1
+    t["tokens"] += tokens
+    t["ms"] += ms
+    t["head_tokens"] += head_tokens
+    t["head_ms"] += head_ms
+
+
+def tally_pays(t: dict, patience: int) -> bool:
+    """`head_pays` on a tally, once it holds `patience` cycles (before that, the head drafts)."""
+    return t["cycles"] < patience or head_pays(t["tokens"], t["ms"], t["head_tokens"], t["head_ms"])
+
+
 class HeadGate:
     """Whether the head drafts this cycle, judged by what the head-free sources already offer.
 
@@ -150,8 +164,7 @@ class HeadGate:
         return sum(expected >= e for e in self.EDGES)
 
     def wants(self, b: int) -> bool:
-        t = self.tallies[b]
-        if t["cycles"] < self.patience or head_pays(t["tokens"], t["ms"], t["head_tokens"], t["head_ms"]):
+        if tally_pays(self.tallies[b], self.patience):
             self.skips[b] = 0
             return True
         self.skips[b] += 1
@@ -162,11 +175,7 @@ class HeadGate:
 
     def record(self, b: int, tokens: float, ms: float, head_tokens: float, head_ms: float) -> None:
         t = self.tallies[b]
-        t["cycles"] += 1
-        t["tokens"] += tokens
-        t["ms"] += ms
-        t["head_tokens"] += head_tokens
-        t["head_ms"] += head_ms
+        add_to_tally(t, tokens, ms, head_tokens, head_ms)
         if t["cycles"] > self.window:  # about the last `window` cycles of the bin: the text drifts
             keep = self.window / t["cycles"]
             for k in t:
@@ -384,13 +393,12 @@ class BudgetChooser:
 
     def head_pays(self, tally: dict | None) -> bool:
         """Whether the head pays beside the head-free sources (sources.py) over this run: with it,
-        T tokens in C ms; without it, about T - m tokens (m: accepted nodes only the head
-        proposed) in C - d ms (d: its draft steps). Its draft step is paid before its nodes are
+        T tokens in C ms; without it, about T - m tokens (m: accepted nodes that exist because
+        of the head) in C - d ms (d: its draft steps). Its draft step is paid before its nodes are
         seen, so the per-cycle budget cannot drop it; this measured rate does, after `patience`
-        cycles. None (no merged trees): nothing to compare."""
-        if not tally or tally["cycles"] < self.patience:
-            return True
-        return head_pays(tally["tokens"], tally["ms"], tally["head_tokens"], tally["head_ms"])
+        cycles (per cycle, by the head-free tree's worth, where `HeadGate` runs). None (no merged
+        trees): nothing to compare."""
+        return not tally or tally_pays(tally, self.patience)
 
     # -- evidence -------------------------------------------------------------------------------
     def note_children(self, child_logp: torch.Tensor, parent_logp: torch.Tensor | None = None) -> None:

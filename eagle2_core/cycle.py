@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from .accept import accept_greedy_batch, accept_sampling_keyed, position_uniforms
-from .budget import HeadGate, TreePolicy, new_tally
+from .budget import HeadGate, TreePolicy, add_to_tally, new_tally
 from .kvcache import KVCache, num_cache_layers
 from .rowgemm import row_linears
 from .sources import DraftSources, pad_trees
@@ -153,9 +153,8 @@ class Cycle:
         # what was verified): charged to the next cycle's drafting, so that the budget's
         # `drafting_pays` compares a drafting cycle's whole cost with a plain one's
         self.tail_s = 0.0
-        # merged cycles' evidence of what the head adds (budget.BudgetChooser.head_pays), kept across
-        # runs like the chooser's: a later run (a chat's next turn) drafts one cycle with the head,
-        # adding its evidence, and goes on without it where it has not paid
+        # merged cycles' evidence of what the head adds (budget.BudgetChooser.head_pays) where no
+        # gate decides per cycle (batched or fixed runs), kept across runs at half weight (new_tally)
         self.head_tally = new_tally()
         # while the head is stopped (stop_drafting) in live mode at batch 1: the pairs (f_t, x_{t+1})
         # it has not absorbed, one ([1, k] tokens, [1, k, F] features) per cycle, so that
@@ -791,12 +790,7 @@ class Cycle:
                 if gate_bin is not None:
                     self.gate.record(gate_bin, made, ms, only_head, head_ms)
                 else:
-                    h = self.head_tally
-                    h["cycles"] += 1
-                    h["tokens"] += made
-                    h["ms"] += ms
-                    h["head_tokens"] += only_head
-                    h["head_ms"] += head_ms
+                    add_to_tally(self.head_tally, made, ms, only_head, head_ms)
         if scores is not None and (self.policy is not None or self.record_confidence):
             self._observe(scores, path, [v[0] for v in values], t1 - t0 + tail, t2 - t1)
         if self.drafting:
