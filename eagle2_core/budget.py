@@ -13,6 +13,7 @@ asks it while a tree grows (cycle.py), and tells it once the tree is verified.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -63,22 +64,44 @@ def calibration_gap(counts: torch.Tensor) -> float:
 BADLY_CALIBRATED = 0.03
 
 
-def calibrate(path_probs: torch.Tensor, counts: torch.Tensor, prior_nodes: float) -> torch.Tensor:
+def calibration_ratio(counts: torch.Tensor, prior_nodes: float) -> torch.Tensor:
+    """Each bin's correction factor (accepted + w m) / (confidence sum + w m), m the bin's mean
+    confidence and w = `prior_nodes` perfectly calibrated pseudo-nodes: `counts` [..., 3, bins]
+    (bin_counts, or one such table per depth) -> [..., bins]."""
+    c = counts.detach().double().cpu().numpy()
+    bins = c.shape[-1]
+    nodes, accepted, conf = c[..., 0, :], c[..., 1, :], c[..., 2, :]
+    centre = (np.arange(bins, dtype=np.float64) + 0.5) / bins
+    m = np.where(nodes > 0, conf / np.maximum(nodes, 1.0), centre)
+    return torch.from_numpy((accepted + prior_nodes * m) / (conf + prior_nodes * m))
+
+
+def calibrate(path_probs: torch.Tensor, counts: torch.Tensor, prior_nodes: float, ratio: torch.Tensor | None = None) -> torch.Tensor:
     """Path probabilities corrected by the measured acceptance of their confidence bin.
 
-    Each bin scales its nodes by (accepted + w m) / (confidence sum + w m), where m is the bin's
-    mean confidence and w = `prior_nodes` pseudo-nodes that are perfectly calibrated: with no
-    evidence the draft's own confidence stands (the paper's finding), with much evidence the
-    bin's measured acceptance rate does. Scaling (rather than replacing by the bin mean) keeps
-    the order of nodes within a bin; results are capped at 1.
+    Each bin scales its nodes by `calibration_ratio`: with no evidence the draft's own
+    confidence stands (the paper's finding), with much evidence the bin's measured acceptance
+    rate does. Scaling (rather than replacing by the bin mean) keeps the order of nodes within a
+    bin; results are capped at 1. `ratio`: the table already computed from `counts`.
     """
-    bins = counts.shape[1]
-    nodes, accepted, conf = counts.to(path_probs.dtype)
-    centre = (torch.arange(bins, dtype=path_probs.dtype, device=path_probs.device) + 0.5) / bins
-    m = torch.where(nodes > 0, conf / nodes.clamp(min=1), centre)
-    ratio = (accepted + prior_nodes * m) / (conf + prior_nodes * m)
+    ratio = calibration_ratio(counts, prior_nodes) if ratio is None else ratio
+    bins = ratio.shape[-1]
     b = (path_probs * bins).long().clamp(0, bins - 1)
-    return (path_probs * ratio[b]).clamp(max=1.0)
+    return (path_probs * ratio.to(path_probs.dtype)[b]).clamp(max=1.0)
+
+
+MERGED_DEPTHS = 3  # merged trees' scores are calibrated per depth 1, 2, 3+
+
+
+def calibrate_by_depth(path_probs: torch.Tensor, depth: torch.Tensor, counts: torch.Tensor, prior_nodes: float,
+                       ratio: torch.Tensor | None = None) -> torch.Tensor:
+    """`calibrate` with one table per depth bucket: `counts` [MERGED_DEPTHS, 3, bins], `depth`
+    (same shape as `path_probs`) each node's depth (1 = a root child)."""
+    ratio = calibration_ratio(counts, prior_nodes) if ratio is None else ratio
+    bins = ratio.shape[-1]
+    bucket = depth.clamp(1, ratio.shape[0]) - 1
+    b = (path_probs * bins).long().clamp(0, bins - 1)
+    return (path_probs * ratio.to(path_probs.dtype)[bucket, b]).clamp(max=1.0)
 
 
 def monotone(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -111,6 +134,21 @@ def mean_row(probs: torch.Tensor) -> torch.Tensor:
     One tree size serves every row of a batch, so its expected tokens per row are the mean of the
     rows' own prefixes (at batch 1, the row itself)."""
     return torch.sort(probs, dim=-1, descending=True).values.mean(0)
+
+
+def _bin_counts(p: np.ndarray, on: np.ndarray, bins: int, offset: np.ndarray | int = 0, groups: int = 1) -> np.ndarray:
+    """`bin_counts` on arrays, with `offset` (a multiple of `bins` per entry) splitting the
+    entries into `groups` tables: [3, groups, bins]."""
+    cell = offset + np.clip((p * bins).astype(np.int64), 0, bins - 1)
+    size = groups * bins
+    out = np.stack([np.bincount(cell, minlength=size).astype(np.float64), np.bincount(cell, weights=on, minlength=size),
+                    np.bincount(cell, weights=p, minlength=size)])
+    return out.reshape(3, groups, bins)
+
+
+def _mean_row(probs: np.ndarray) -> np.ndarray:
+    """`mean_row` on an array."""
+    return -np.sort(-probs, axis=-1).mean(0)
 
 
 def new_tally(old: dict | None = None, cycles: int = 0) -> dict:
@@ -235,6 +273,14 @@ class BudgetChooser:
         self.batch = 1
         self._by_batch: dict[int, dict] = {}
         self.counts = torch.zeros(3, bins, dtype=torch.float64)  # nodes, accepted, confidence sum (bin_counts)
+        # The same for merged trees' scores (sources.py), per depth: each source's conditionals
+        # are calibrated given the parent accepted (measured within a few % at depths 1-3), yet
+        # the path scores of the nodes a tree verifies ran over their acceptance, the more the
+        # deeper (SmolLM2, mt16: 1.1x at depth 1, 1.4x at 2, 2x at 3): a tree verifies the
+        # best-scored of many candidates, whose estimates are high by selection, and a product
+        # compounds it. The size is chosen on these scores corrected per depth and bin.
+        self.merged_counts = torch.zeros(MERGED_DEPTHS, 3, bins, dtype=torch.float64)
+        self._ratio_cache = self._floor_cache = None
         # The best child's own confidence (given its parent), averaged over expanded nodes weighted
         # by their path probability: how much of a front node's path probability a deeper level is
         # expected to keep, where the mass is.
@@ -290,11 +336,18 @@ class BudgetChooser:
     def verify_table(self) -> torch.Tensor:
         st = self._state()
         if st["table"] is None:
-            seen = st["n"] > 0
-            scale = float(st["sum"].sum() / (st["prior"] * st["n"]).sum()) if seen.any() else 1.0
+            prior, total, n = st["prior"].numpy(), st["sum"].numpy(), st["n"].numpy()
+            seen = n > 0
+            scale = float(total.sum() / (prior * n).sum()) if seen.any() else 1.0
             w = self.prior_cycles
-            st["table"] = monotone((w * scale * st["prior"] + st["sum"]) / (w + st["n"]), w + st["n"])
+            st["table"] = monotone(torch.from_numpy((w * scale * prior + total) / (w + n)), torch.from_numpy(w + n))
+            st["table_np"] = st["table"].numpy()
         return st["table"]
+
+    def _table(self) -> np.ndarray:
+        """`verify_table` as an array (the per-cycle choices read it on the host, many times)."""
+        self.verify_table()
+        return self._state()["table_np"]
 
     def plain_ms(self) -> float:
         """ms of a plain step (the root alone) at this batch: the table's first size. The table is
@@ -330,23 +383,72 @@ class BudgetChooser:
         return overhead + steps * step
 
     # -- choices --------------------------------------------------------------------------------
-    def _cal(self, probs: torch.Tensor) -> torch.Tensor:
-        return calibrate(probs.double().cpu(), self.counts, self.prior_nodes)
+    # The choices below run on the host several times a cycle over a few dozen numbers, so they
+    # use arrays (the pure tensor functions above are what they compute: tests hold them equal).
+    def _ratios(self) -> tuple[np.ndarray, np.ndarray, float]:
+        """(the head's calibration table, the merged trees' per depth, the largest merged factor),
+        computed once per cycle's evidence: tree growth and sizing read them many times."""
+        if self._ratio_cache is None:
+            merged = calibration_ratio(self.merged_counts, self.prior_nodes).numpy()
+            self._ratio_cache = (calibration_ratio(self.counts, self.prior_nodes).numpy(), merged, max(1.0, float(merged.max())))
+        return self._ratio_cache
 
-    def _rate(self, p: torch.Tensor, steps: int) -> float:
+    def _cal_np(self, p: np.ndarray) -> np.ndarray:
+        ratio = self._ratios()[0]
+        b = np.clip((p * ratio.size).astype(np.int64), 0, ratio.size - 1)
+        return np.minimum(p * ratio[b], 1.0)
+
+    def _cal(self, probs: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self._cal_np(probs.detach().double().cpu().numpy()))
+
+    def _rate(self, p: np.ndarray, steps: int) -> float:
         """Best expected tokens per row per ms over prefixes of `p` (one row's calibrated path
         probabilities, highest first)."""
         p = p[: self.max_tokens - 1]
-        gain = expected_tokens(p)
-        return float((gain / (self.verify_table()[: p.numel() + 1] + self.draft_cost(steps))).max())
+        gain = 1.0 + np.concatenate(([0.0], np.cumsum(p)))
+        return float((gain / (self._table()[: p.size + 1] + self.draft_cost(steps))).max())
 
-    def choose(self, path_probs: torch.Tensor, steps: int, calibrated: bool = False) -> int:
+    def choose(self, path_probs: torch.Tensor, steps: int, depth: torch.Tensor | None = None) -> int:
         """Tree size (root included) for this cycle: `path_probs` [rows, m] (or [m]) are each busy
-        row's best path probabilities, `steps` draft steps spent; `calibrated`: already on the
-        one scale of acceptance estimates (a merged tree, sources.py), not the head's raw confidence."""
-        p = torch.atleast_2d(path_probs).double().cpu()
-        p = mean_row(p if calibrated else self._cal(p))
-        return choose_budget(p[: self.max_tokens - 1], self.verify_table(), self.draft_cost(steps))
+        row's best path probabilities, `steps` draft steps spent; `depth` (same shape): a merged
+        tree's node depths (sources.py: its scores on the one scale of acceptance estimates,
+        corrected per depth), None for the head's raw confidence. `choose_budget` over the
+        calibrated rows' mean (`mean_row`)."""
+        p = np.atleast_2d(torch.as_tensor(path_probs).detach().double().cpu().numpy())
+        if depth is None:
+            p = self._cal_np(p)
+        else:
+            ratio = self._ratios()[1]
+            bucket = np.clip(np.atleast_2d(torch.as_tensor(depth).cpu().numpy()), 1, ratio.shape[0]) - 1
+            b = np.clip((p * ratio.shape[1]).astype(np.int64), 0, ratio.shape[1] - 1)
+            p = np.minimum(p * ratio[bucket, b], 1.0)
+        p = _mean_row(p)[: self.max_tokens - 1]
+        gain = 1.0 + np.concatenate(([0.0], np.cumsum(p)))
+        table = self._table()
+        if table.size < p.size + 1:
+            raise ValueError(f"cost table has {table.size} sizes, the tree needs {p.size + 1}")
+        return int(np.argmax(gain / (table[: p.size + 1] + self.draft_cost(steps)))) + 1  # the first maximum: the smallest tree
+
+    def growth_floor(self, steps: int) -> list[float]:
+        """floor[k] for a tree of k nodes (root included): with expected tokens E so far, a next
+        node of (calibrated) score p can make some larger size m pay only if
+        E + (m - k) p > E (V(m) + D) / (V(k) + D) (scores descend, so the m - k nodes score at
+        most p each), i.e. p >= E * floor[k], floor[k] = min over m of (V(m) - V(k)) / ((V(k) + D)
+        (m - k)). Divided by the largest correction the merged calibration applies (so a raw
+        score is never cut where its correction would have kept it)."""
+        key = (steps, id(self._state()))
+        if self._floor_cache is None or self._floor_cache[0] != key:
+            v = self._table()
+            d = self.draft_cost(steps)
+            n = v.size
+            k = np.arange(1, n + 1, dtype=np.float64)
+            # [k, j]: (V(j) - V(k)) / ((V(k) + D)(j - k)) for j > k, the least over j per k
+            with np.errstate(divide="ignore", invalid="ignore"):
+                per = (v[None, :] - v[:, None]) / ((v[:, None] + d) * (k[None, :] - k[:, None]))
+            per = np.where(k[None, :] > k[:, None], per, np.inf)
+            floor = (per.min(1) / self._ratios()[2]).tolist()
+            self._floor_cache = (key, [0.0] + floor[:-1] + [0.0])
+        return self._floor_cache[1]
 
     def worth_expanding(self, pool_logp: torch.Tensor, front_logp: torch.Tensor, steps: int, remaining: int) -> bool:
         """Whether drafting deeper is expected to pay (depth chosen per cycle, like the size).
@@ -358,15 +460,15 @@ class BudgetChooser:
         tree, where a preset depth would pay for every level (on a CPU where one extra row costs
         nearly a whole forward, often just the root). [rows, m] inputs: per row, then averaged.
         """
-        pool = self._cal(torch.atleast_2d(pool_logp).exp())
-        front = torch.atleast_2d(front_logp).exp()
-        now = self._rate(mean_row(pool), steps)
+        pool = self._cal_np(np.exp(np.atleast_2d(pool_logp.detach().double().cpu().numpy())))
+        front = np.exp(np.atleast_2d(front_logp.detach().double().cpu().numpy()))
+        now = self._rate(_mean_row(pool), steps)
         keep = (self.keep_sum + 0.5 * self.prior_cycles) / (self.keep_n + self.prior_cycles)  # a half before any evidence
-        extra = []
+        extra = [pool]
         for level in range(1, remaining + 1):
             # the deeper node's path probability is what the measured bins correct, not its factors
-            extra.append(self._cal(front * keep ** level))
-            if self._rate(mean_row(torch.cat([pool, *extra], -1)), steps + level) > now:
+            extra.append(self._cal_np(front * keep ** level))
+            if self._rate(_mean_row(np.concatenate(extra, -1)), steps + level) > now:
                 return True
         return False
 
@@ -416,11 +518,12 @@ class BudgetChooser:
         self.keep_n += float(w.sum())
 
     def observe(self, path_probs: torch.Tensor, on_path: torch.Tensor, draft_ms: float, verify_ms: float, steps: int = 1,
-                tokens: float | None = None, head_nodes: torch.Tensor | None = None) -> None:
+                tokens: float | None = None, head_nodes: torch.Tensor | None = None, merged: tuple | None = None) -> None:
         """One verified cycle: its drafted nodes' path probabilities ([rows, N - 1] or [N - 1]),
         which were accepted, its times, its draft steps, and the tokens it produced. `head_nodes`
         (same shape, bool): in a merged tree, the nodes the head proposed, the only ones its
-        calibration learns from (`path_probs` then holds the head's raw path probabilities)."""
+        calibration learns from (`path_probs` then holds the head's raw path probabilities);
+        `merged`: there, (every node's merged score, its depth), what the size is chosen on."""
         path_probs, on_path = torch.atleast_2d(path_probs), torch.atleast_2d(on_path)  # [rows, N - 1]
         n = path_probs.shape[-1] + 1
         st = self._state()
@@ -435,10 +538,19 @@ class BudgetChooser:
         self.run_cycles += 1
         self.run_tokens += float(tokens) if tokens is not None else float(on_path.sum()) + path_probs.shape[0]
         self.run_ms += draft_ms + verify_ms
+        self._ratio_cache = self._floor_cache = None
+        on = np.asarray(torch.as_tensor(on_path).detach().cpu().double().numpy()).reshape(-1)
+        bins = self.counts.shape[1]
+        if merged is not None:
+            m = torch.as_tensor(merged[0]).detach().double().cpu().numpy().reshape(-1)
+            d = np.clip(torch.as_tensor(merged[1]).cpu().numpy().reshape(-1), 1, MERGED_DEPTHS) - 1
+            self.merged_counts += torch.from_numpy(_bin_counts(m, on, bins, d * bins, MERGED_DEPTHS).transpose(1, 0, 2).copy())
+        p = torch.as_tensor(path_probs).detach().double().cpu().numpy().reshape(-1)
         if head_nodes is not None:
-            path_probs, on_path = path_probs[head_nodes.cpu()], on_path.cpu()[head_nodes.cpu()]
-        if path_probs.numel():
-            self.counts += bin_counts(path_probs.double().cpu().flatten(), on_path.cpu().flatten(), self.counts.shape[1])
+            keep = torch.as_tensor(head_nodes).cpu().numpy().reshape(-1)
+            p, on = p[keep], on[keep]
+        if p.size:
+            self.counts += torch.from_numpy(_bin_counts(p, on, bins)[:, 0])
 
     @property
     def gap(self) -> float:
@@ -493,13 +605,17 @@ class TreePolicy:
         """The head's path probabilities corrected by its measured calibration (`calibrate`)."""
         return self.chooser._cal(path_probs)
 
-    def size_of(self, path_probs: torch.Tensor) -> int:
+    def growth_floor(self) -> list[float]:
+        """Per tree size, the least score (per expected token) a next node needs to pay anywhere."""
+        return self.chooser.growth_floor(self.steps)
+
+    def size_of(self, path_probs: torch.Tensor, depth: torch.Tensor) -> int:
         """Tree size (root included) for a merged tree: `path_probs` [rows, m] are each busy row's
         calibrated scores in best-first order (sources.py: already on one scale)."""
-        return self.chooser.choose(path_probs, self.steps, calibrated=True)
+        return self.chooser.choose(path_probs, self.steps, depth)
 
     def observe(self, path_probs: torch.Tensor, on_path: torch.Tensor, draft_s: float, verify_s: float, tokens: int,
-                head_nodes: torch.Tensor | None = None) -> None:
+                head_nodes: torch.Tensor | None = None, merged: tuple | None = None) -> None:
         """The verified cycle, busy rows only: drafted nodes' path probabilities and which were
         accepted ([rows, N - 1]), its times and the tokens it produced."""
-        self.chooser.observe(path_probs, on_path, 1000 * draft_s, 1000 * verify_s, self.steps, tokens, head_nodes)
+        self.chooser.observe(path_probs, on_path, 1000 * draft_s, 1000 * verify_s, self.steps, tokens, head_nodes, merged)

@@ -27,13 +27,14 @@ import warnings
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 
 from .accept import accept_greedy_batch, accept_sampling_keyed, position_uniforms
 from .budget import HeadGate, TreePolicy, add_to_tally, new_tally
 from .kvcache import KVCache, num_cache_layers
 from .rowgemm import row_linears
-from .sources import DraftSources, pad_trees
+from .sources import DraftSources, node_depths, pad_trees
 from .target import TargetRunner, capture_layer_inputs
 from .tree import (additive, batch_trees, causal_rows, chain_choices, choices_to_levels, context_and_tree, rerank_batch, row_tree,
                    static_choices, windowed)
@@ -524,28 +525,39 @@ class Cycle:
         calibrated path probability; the per-cycle budget then sizes it (section 3: expected
         tokens per measured ms). Returns (tokens, parents, depth, ancestors, log scores), [B, N]."""
         t0 = time.perf_counter()
-        src, policy, dev = self.sources, self.policy, root.device
         head = None
         if pool_t is not None:
             raw = pool_s.exp()
-            cal = policy.calibrated(raw) if policy is not None else raw
+            cal = self.policy.calibrated(raw) if self.policy is not None else raw
             head = (pool_t.tolist(), pool_p.tolist(), cal.tolist(), raw.tolist())
-        roots = root.tolist()
-        trees = [None if s is None else src.grow_row(s, roots[b], self.n_max, None if head is None else tuple(h[b] for h in head))
+        out = self._padded(*self._grow_rows(head), root)
+        self.merge_s = time.perf_counter() - t0
+        return out
+
+    def _grow_rows(self, head) -> tuple[list, int]:
+        """Every busy row's merged tree (sources.grow_row) and the size the budget verifies."""
+        src, policy = self.sources, self.policy
+        roots = self.state.root.tolist()
+        floor = policy.growth_floor() if policy is not None else None
+        trees = [None if s is None else src.grow_row(s, roots[b], self.n_max, None if head is None else tuple(h[b] for h in head), floor)
                  for b, s in enumerate(self.slots)]
         busy = [t for t in trees if t is not None]
         m = max((len(t.tokens) for t in busy), default=1)
         n = m
         if policy is not None and m > 1:
-            probs = torch.zeros(len(busy), m - 1, dtype=torch.float64)
+            probs = np.zeros((len(busy), m - 1))
+            deep = np.ones((len(busy), m - 1), dtype=np.int64)
             for j, t in enumerate(busy):
-                probs[j, : len(t.scores) - 1] = torch.tensor(t.scores[1:], dtype=torch.float64)
-            n = policy.size_of(probs)
-        src.last = trees
-        tokens, parents, scores = pad_trees(trees, n, dev, src.vocab)
+                probs[j, : len(t.scores) - 1] = t.scores[1:]
+                deep[j, : len(t.scores) - 1] = node_depths(t.parents)[1:]
+            n = policy.size_of(probs, deep)
+        return trees, n
+
+    def _padded(self, trees: list, n: int, root):
+        """The rows' trees cut to `n` nodes as the verify's tensors (sources.pad_trees)."""
+        self.sources.last = trees
+        tokens, parents, scores, depth, anc = pad_trees(trees, n, root.device, self.sources.vocab)
         tokens[:, 0] = root
-        depth, anc = batch_trees(parents, min(n - 1, self.width - 1))
-        self.merge_s = time.perf_counter() - t0
         return tokens, parents, depth, anc, scores
 
     def _grow_static(self, hid, logp, ctx, view, root):
@@ -730,12 +742,13 @@ class Cycle:
             # the head-free sources' tree first (no draft step): its expected tokens at the size
             # the budget would verify (section 3) say how much room the head has this cycle
             self.policy.begin(st.active, True, steps=0)
-            free = self.merge(None, None, None, st.root)
-            gate_bin = self.gate.bin(1.0 + float(free[4][0, 1:].exp().sum()))
+            rows, size = self._grow_rows(None)
+            gate_bin = self.gate.bin(1.0 + sum(rows[0].scores[1:size]))
             self.gate_s = time.perf_counter() - t0
             if not self.gate.wants(gate_bin):
                 self.stop_drafting()  # its pairs wait in `paused`; the next cycle asks again
                 self.gated, gate_bin = True, None
+                free = self._padded(rows, size, st.root)
         if self.speculative:
             tokens, parents, depth, anc, scores, st.head_len = self._call(
                 "draft", self._draft, st.new_tokens, st.new_features, st.head_len, st.n_new, st.root, st.active)
@@ -792,7 +805,7 @@ class Cycle:
                 else:
                     add_to_tally(self.head_tally, made, ms, only_head, head_ms)
         if scores is not None and (self.policy is not None or self.record_confidence):
-            self._observe(scores, path, [v[0] for v in values], t1 - t0 + tail, t2 - t1)
+            self._observe(scores, depth, path, [v[0] for v in values], t1 - t0 + tail, t2 - t1)
         if self.drafting:
             self.tail_s = time.perf_counter() - t2
         return out
@@ -802,14 +815,14 @@ class Cycle:
         nodes the head proposed), or None where the tree was the head's alone."""
         if self.sources is None or not self.sources.last:
             return None
-        raw = torch.zeros(len(busy), n - 1, dtype=torch.float64)
-        mask = torch.zeros(len(busy), n - 1, dtype=torch.bool)
+        raw = np.zeros((len(busy), n - 1))
+        mask = np.zeros((len(busy), n - 1), dtype=bool)
         for j, i in enumerate(busy):
             t = self.sources.last[i]
             for node in range(1, min(n, len(t.tokens))):
                 if t.head_raw[node] is not None:
                     raw[j, node - 1], mask[j, node - 1] = t.head_raw[node], True
-        return raw, mask
+        return torch.from_numpy(raw), torch.from_numpy(mask)
 
     def step_at_size(self, n: int) -> dict:
         """One cycle verifying trees of `n` nodes (1: the root alone, no draft), for timing each
@@ -823,7 +836,7 @@ class Cycle:
             self.state.new_tokens = pending
         return self.last
 
-    def _observe(self, scores, path, accepted: list[int], draft_s: float, verify_s: float) -> None:
+    def _observe(self, scores, depth, path, accepted: list[int], draft_s: float, verify_s: float) -> None:
         """Calibration evidence (section 3): each drafted node's path probability and whether it
         was accepted, for the chooser's per-bin correction and compare's calibration table."""
         busy = [i for i, s in enumerate(self.slots) if s is not None]
@@ -833,7 +846,8 @@ class Cycle:
         if self.policy is not None:
             head_raw = self._head_raw(busy, scores.shape[1])  # merged trees: the head's own calibration learns from its nodes only
             self.policy.observe(probs if head_raw is None else head_raw[0], on[:, 1:], draft_s, verify_s,
-                                sum(accepted[i] + 1 for i in busy), None if head_raw is None else head_raw[1])
+                                sum(accepted[i] + 1 for i in busy), None if head_raw is None else head_raw[1],
+                                None if head_raw is None else (probs, depth[busy, 1:]))
         if self.record_confidence:
             for j, i in enumerate(busy):
                 self.slots[i].summary.record_confidence(probs[j], on[j, 1:])

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .tree import host_ancestry
+
 SOURCES = ("head", "recycle", "match")
 HEAD_FREE = ("recycle", "match")
 SOURCE_DEPTH = 8        # the deepest node a head-free source grows (a copied chain may run past the head's depth)
@@ -74,16 +76,64 @@ class Calibration:
         self.accepted = np.zeros_like(self.prior)
         self.weight = weight
 
+        self._rates: list[float] | None = None
+
     def rate(self, b: int) -> float:
-        return float((self.accepted[b] + self.weight * self.prior[b]) / (self.nodes[b] + self.weight))
+        if self._rates is None:  # read per candidate in tree growth: a list, refreshed after new evidence
+            self._rates = ((self.accepted + self.weight * self.prior) / (self.nodes + self.weight)).tolist()
+        return self._rates[b]
 
     def add(self, b: int, accepted: bool) -> None:
         self.nodes[b] += 1
         self.accepted[b] += accepted
+        self._rates = None
 
 
 def prob_bin(p: float, bins: int = CAL_BINS) -> int:
     return min(bins - 1, max(0, int(p * bins)))
+
+
+ALONE, WITH, AGAINST = 0, 1, 2  # a candidate's agreement: no other source spoke at its parent; another proposed it too; others proposed only other tokens
+
+
+class Agreement:
+    """A correction of each source's calibrated conditional by agreement and depth.
+
+    The per-source calibration is marginal over nodes where the sources agree and where they
+    disagree, and over depths. Measured on SmolLM2 (mt16, float32): a token one source proposes
+    beside another source's different choice was accepted about half as often as its calibrated
+    conditional said, one two sources propose 1.3-1.8x as often; and path scores at depth 3 and
+    below ran 2.5x over their acceptance, so deep nodes outranked the root's next children. Per
+    (source, agreement, depth 1 / 2 / 3+, bin of the conditional): measured accepted over
+    predicted, (accepted + 1) / (predicted + 1), a factor on the conditional (1 with no evidence)."""
+
+    DEPTHS = 3
+
+    def __init__(self, bins: int = CAL_BINS):
+        self.bins = bins
+        self.accepted: dict[str, np.ndarray] = {}
+        self.predicted: dict[str, np.ndarray] = {}
+        self._factors: dict[str, list] = {}  # src -> [state][depth][bin] as lists, refreshed after new evidence
+
+    def _arrays(self, src: str):
+        if src not in self.accepted:
+            self.accepted[src] = np.zeros((3, self.DEPTHS, self.bins))
+            self.predicted[src] = np.zeros((3, self.DEPTHS, self.bins))
+        return self.accepted[src], self.predicted[src]
+
+    def factor(self, src: str, state: int, depth: int, c: float) -> float:
+        f = self._factors.get(src)
+        if f is None:
+            acc, pred = self._arrays(src)
+            f = self._factors[src] = ((acc + 1.0) / (pred + 1.0)).tolist()
+        return f[state][min(depth, self.DEPTHS) - 1][prob_bin(c, self.bins)]
+
+    def add(self, src: str, state: int, depth: int, c: float, accepted: bool) -> None:
+        acc, pred = self._arrays(src)
+        cell = (state, min(depth, self.DEPTHS) - 1, prob_bin(c, self.bins))
+        acc[cell] += accepted
+        pred[cell] += c
+        self._factors.pop(src, None)
 
 
 class RecyclingTable:
@@ -121,8 +171,7 @@ class RecyclingTable:
     def children(self, token: int) -> list[tuple[int, float]]:
         if not 0 <= token < self.ids.shape[0]:
             return []
-        row, p = self.ids[token], self.probs[token]
-        return [(int(t), float(q)) for t, q in zip(row, p) if t >= 0]
+        return [(t, q) for t, q in zip(self.ids[token].tolist(), self.probs[token].tolist()) if t >= 0]
 
 
 class ContextIndex:
@@ -147,7 +196,8 @@ class ContextIndex:
         toks, n = self.tokens, len(self.tokens)
         for m in range(min(MATCH_MAX, n + len(path)), 0, -1):
             gram = tuple(path[-m:]) if len(path) >= m else tuple(toks[n - (m - len(path)):]) + tuple(path)
-            ends = [e for e in self.ends.get(gram, ()) if e < n][-MATCH_RECENT:]
+            # ends ascend, and only the last can be n (the context's own end: no next token yet)
+            ends = [e for e in self.ends.get(gram, ())[-MATCH_RECENT - 1:] if e < n][-MATCH_RECENT:]
             if ends:
                 counts = Counter(toks[e] for e in ends)
                 total = len(ends)
@@ -173,6 +223,7 @@ class RowTree:
     scores: list[float]
     proposers: list[list[tuple[str, int, float]]] = field(default_factory=list)
     head_raw: list[float | None] = field(default_factory=list)  # the head's uncalibrated path probability, where it proposed the node
+    states: list[list[tuple[int, float]]] = field(default_factory=list)  # per proposer: (agreement, conditional before its correction)
 
 
 class DraftSources:
@@ -185,6 +236,8 @@ class DraftSources:
         self.table = RecyclingTable(vocab) if "recycle" in self.active else None
         self.cal = {"recycle": Calibration((np.arange(CAL_BINS) + 0.5) / CAL_BINS * 0.6),
                     "match": Calibration(MATCH_PRIOR)}
+        self.agree = Agreement()
+        self.use_agree = True  # False: the per-source calibration alone (an A/B of the correction)
         self._index: dict[int, tuple[object, ContextIndex]] = {}  # id(slot) -> (slot, its context index)
         self.last: list[RowTree | None] = []
 
@@ -234,13 +287,16 @@ class DraftSources:
         for k in [k for k in self._index if k not in keep]:
             del self._index[k]
 
-    def grow_row(self, slot, root: int, cap: int, head=None) -> RowTree:
+    def grow_row(self, slot, root: int, cap: int, head=None, floor=None) -> RowTree:
         """Best-first growth of one row's tree to `cap` nodes (root included), by score.
 
         `head`: the head's pool for this row as lists (tokens, pool parents, calibrated path
         probabilities, raw path probabilities), or None. A head node's conditional is its
         calibrated path probability over its pool parent's; the head-free sources extend any node
-        the tree takes, to `max_depth`."""
+        the tree takes, to `max_depth`. `floor` (budget.TreePolicy.growth_floor): growth stops
+        where the best candidate left scores below floor[size] times the tree's expected tokens
+        so far, where no larger tree can pay its verify rows (a tree grown to 16 nodes of which
+        the budget verifies 5 spent most of its host time on nodes never verified)."""
         use_rec = self.table is not None
         use_match = "match" in self.active
         index = self._context(slot) if use_match else None
@@ -256,60 +312,78 @@ class DraftSources:
         where: dict[tuple[int, int], int] = {}
         heap: list = []
         seq = 0
+        offered: dict[int, dict[str, set]] = {}
+        agree, use_agree = self.agree, self.use_agree
+        states: list[list[tuple[int, float]]] = [[]]
 
-        def push_head(i: int) -> None:
+        def offer(i: int, cands: list) -> None:
+            """Push node i's candidates (token, source, head index, bin, conditional), each
+            conditional corrected by its agreement with the other sources speaking at node i."""
             nonlocal seq
-            hp = head_of[i]
-            if hp is None or hp not in kids:
-                return
-            base = head[2][hp] if hp >= 0 else 1.0
-            for j in kids[hp]:
-                c = min(1.0, head[2][j] / base) if base > 0 else 0.0
-                heapq.heappush(heap, (-scores[i] * c, seq, i, head[0][j], "head", j, prob_bin(c), c))
+            said = offered.setdefault(i, {})
+            for t, src, _, _, _ in cands:
+                said.setdefault(src, set()).add(t)
+            for t, src, hj, b, c in cands:
+                others = [x for x in said if x != src]
+                state = ALONE if not others else (WITH if any(t in said[x] for x in others) else AGAINST)
+                cc = min(1.0, c * agree.factor(src, state, depth[i] + 1, c)) if use_agree else c
+                heapq.heappush(heap, (-scores[i] * cc, seq, i, t, src, hj, b, cc, state, c))
                 seq += 1
 
+        def head_kids(i: int) -> list:
+            hp = head_of[i]
+            if hp is None or hp not in kids:
+                return []
+            base = head[2][hp] if hp >= 0 else 1.0
+            out = []
+            for j in kids[hp]:
+                c = min(1.0, head[2][j] / base) if base > 0 else 0.0
+                out.append((head[0][j], "head", j, prob_bin(c), c))
+            return out
+
         def push(i: int) -> None:
-            nonlocal seq
-            push_head(i)
-            if depth[i] >= self.max_depth:
-                return
-            if use_rec:
-                cal = self.cal["recycle"]
-                for t, p in self.table.children(tokens[i]):
-                    b = prob_bin(p)
-                    c = cal.rate(b)
-                    heapq.heappush(heap, (-scores[i] * c, seq, i, t, "recycle", -1, b, c))
-                    seq += 1
-            if use_match:
-                cal = self.cal["match"]
-                for t, share, m in index.children(paths[i]):
-                    b = match_bin(m, share)
-                    c = cal.rate(b) * (share if share < 0.999 else 1.0)
-                    heapq.heappush(heap, (-scores[i] * c, seq, i, t, "match", -1, b, c))
-                    seq += 1
+            cands = head_kids(i)
+            if depth[i] < self.max_depth:
+                if use_rec:
+                    cal = self.cal["recycle"]
+                    for t, p in self.table.children(tokens[i]):
+                        b = prob_bin(p)
+                        cands.append((t, "recycle", -1, b, cal.rate(b)))
+                if use_match:
+                    cal = self.cal["match"]
+                    for t, share, m in index.children(paths[i]):
+                        b = match_bin(m, share)
+                        cands.append((t, "match", -1, b, cal.rate(b) * (share if share < 0.999 else 1.0)))
+            offer(i, cands)
 
         push(0)
+        expected = 1.0
         while heap and len(tokens) < cap:
-            neg, _, par, tok, src, hj, b, c = heapq.heappop(heap)
+            if floor is not None and -heap[0][0] < expected * floor[len(tokens)]:
+                break
+            neg, _, par, tok, src, hj, b, c, state, c0 = heapq.heappop(heap)
             node = where.get((par, tok))
             if node is not None:  # proposed again under the same parent: one node, every proposer noted
                 proposers[node].append((src, b, c))
+                states[node].append((state, c0))
                 if hj >= 0 and head_of[node] is None:
                     head_of[node], head_raw[node] = hj, head[3][hj]
-                    push_head(node)
+                    offer(node, head_kids(node))
                 continue
             node = len(tokens)
             where[(par, tok)] = node
             tokens.append(tok)
             parents.append(par)
             scores.append(-neg)
+            expected -= neg
             depth.append(depth[par] + 1)
             paths.append(paths[par] + (tok,))
             head_of.append(hj if hj >= 0 else None)
             proposers.append([(src, b, c)])
+            states.append([(state, c0)])
             head_raw.append(head[3][hj] if hj >= 0 else None)
             push(node)
-        return RowTree(tokens, parents, scores, proposers, head_raw)
+        return RowTree(tokens, parents, scores, proposers, head_raw, states)
 
     def observe(self, path: list[list[int]], accepted: list[int], rows: list[int], summaries, verified: int,
                 emitted: list[list[int]] | None = None) -> int:
@@ -333,6 +407,7 @@ class DraftSources:
             tree = self.last[b] if b < len(self.last) else None
             if tree is None:
                 continue
+            deep = node_depths(tree.parents)
             acc = path[b][: accepted[b] + 1]
             on = set(acc)
             after = None  # accepted node -> the target's next token after it (greedy rows)
@@ -351,19 +426,32 @@ class DraftSources:
                 checked = i < verified
                 conditional = tree.parents[i] in on
                 got = i in on if checked else (conditional and after.get(tree.parents[i]) == tree.tokens[i])
-                for src, bn, pred in tree.proposers[i]:
+                agreed = tree.states[i] if i < len(tree.states) else ()
+                for k, (src, bn, pred) in enumerate(tree.proposers[i]):
                     if conditional and src in self.cal:
                         self.cal[src].add(bn, got)
+                    if conditional and k < len(agreed):
+                        state, c0 = agreed[k]
+                        self.agree.add(src, state, deep[i], c0, got)
                     if summary is not None and checked:
                         summary.record_source(src, got, pred if conditional else None)
         return only_head
+
+
+def node_depths(parents: list[int]) -> list[int]:
+    """Each node's depth (the root 0) of a tree whose parents precede their children."""
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return depth
 
 
 def pad_trees(trees: list[RowTree | None], n: int, device, vocab: int = 1 << 62):
     """B row trees cut to their first `n` nodes (best-first order keeps each a tree), padded to `n`
     with root children (verified like any node, so never wrong, only a wasted row) whose tokens no
     other root child carries (a duplicate would make two accepted candidates for one depth), as
-    tensors: (tokens, parents, scores as log path probabilities), each [B, n]."""
+    tensors: (tokens, parents, scores as log path probabilities, depths), each [B, n], and the
+    ancestor masks [B, n, n] (tree.host_ancestry)."""
     tok = np.zeros((len(trees), n), dtype=np.int64)
     par = np.zeros((len(trees), n), dtype=np.int64)
     sc = np.full((len(trees), n), -30.0, dtype=np.float64)
@@ -380,4 +468,6 @@ def pad_trees(trees: list[RowTree | None], n: int, device, vocab: int = 1 << 62)
             used = {t.tokens[i] for i in range(1, m) if t.parents[i] == 0}
             free = [x for x in range(min(vocab, n + len(used) + 1)) if x not in used]  # a tiny vocabulary may run out: then 0
             tok[b, m:] = [free[i] if i < len(free) else 0 for i in range(n - m)]
-    return (torch.from_numpy(tok).to(device), torch.from_numpy(par).to(device), torch.from_numpy(sc).float().to(device))
+    depth, anc = host_ancestry(par)
+    return (torch.from_numpy(tok).to(device), torch.from_numpy(par).to(device), torch.from_numpy(sc).float().to(device),
+            torch.from_numpy(depth).to(device), torch.from_numpy(anc).to(device))

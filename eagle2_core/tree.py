@@ -21,6 +21,7 @@ import heapq
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -53,6 +54,23 @@ def batch_trees(parents: torch.Tensor, depth_max: int) -> tuple[torch.Tensor, to
     for _ in range(depth_max if n > 1 else 0):
         anc = anc | (anc.gather(1, p[:, :, None].expand(b, n, n)) & has_parent[:, :, None])
         depth = torch.where(has_parent, depth.gather(1, p) + 1, 0)
+    return depth, anc
+
+
+def host_ancestry(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`batch_trees` on the host for trees grown there (sources.py), parents [B, N] with -1 at
+    the root and parents before children: (depths [B, N], ancestor masks [B, N, N]), one pass
+    over the nodes instead of a gather per depth on small tensors."""
+    b, n = parents.shape
+    depth = np.zeros((b, n), dtype=np.int64)
+    anc = np.zeros((b, n, n), dtype=bool)
+    anc[:, 0, 0] = True
+    rows = np.arange(b)
+    for i in range(1, n):
+        p = parents[:, i]
+        depth[:, i] = depth[rows, p] + 1
+        anc[:, i] = anc[rows, p]
+        anc[:, i, i] = True
     return depth, anc
 
 

@@ -426,3 +426,34 @@ def test_the_head_gate_judges_each_bin_of_the_head_free_trees_worth():
     for _ in range(g.window):
         g.record(high, 4.0, 10.0, 2.0, 2.0)  # the text changed: now 0.4 with it, 0.25 without
     assert g.tallies[high]["cycles"] == g.window and g.wants(high)
+
+
+def test_the_choosers_host_arrays_compute_the_tensor_functions():
+    """The chooser runs its per-cycle choices on arrays (budget.py: several times a cycle over a
+    few dozen numbers); they are the pure tensor functions: its size for the head's raw
+    confidences is `choose_budget` over `mean_row` of `calibrate`d rows, for merged trees over
+    `calibrate_by_depth`, and its evidence is `bin_counts` (per depth for merged trees)."""
+    from eagle2_core.budget import MERGED_DEPTHS, calibrate_by_depth, calibration_ratio, mean_row
+
+    rng = random.Random(11)
+    prof = fake_profile({1: 10.0, 2: 10.5, 4: 13.0, 8: 17.0, 16: 30.0}, draft=2.0)
+    ch = BudgetChooser(prof, 12, step_ms=1.5, prior_nodes=5.0)
+    counts, merged = torch.zeros(3, 10, dtype=torch.float64), torch.zeros(MERGED_DEPTHS, 3, 10, dtype=torch.float64)
+    for _ in range(40):
+        rows, m = rng.randint(1, 3), rng.randint(2, 11)
+        p = torch.tensor([[rng.random() ** 2 for _ in range(m)] for _ in range(rows)], dtype=torch.float64)
+        on = torch.tensor([[float(rng.random() < 0.3) for _ in range(m)] for _ in range(rows)], dtype=torch.float64)
+        depth = torch.tensor([[rng.randint(1, 5) for _ in range(m)] for _ in range(rows)])
+        head = torch.rand(rows, m) < 0.5
+        raw = torch.rand(rows, m, dtype=torch.float64)
+        steps = rng.randint(0, 3)
+        table, d = ch.verify_table(), ch.draft_cost(steps)
+        assert ch.choose(p, steps) == choose_budget(mean_row(calibrate(p, counts, 5.0))[:11], table, d)
+        assert ch.choose(p, steps, depth) == choose_budget(mean_row(calibrate_by_depth(p, depth, merged, 5.0))[:11], table, d)
+        ch.observe(raw, on, draft_ms=3.0, verify_ms=12.0, steps=steps, head_nodes=head, merged=(p, depth))
+        counts += bin_counts(raw[head], on[head], 10)
+        bucket = depth.clamp(1, MERGED_DEPTHS) - 1
+        for k in range(MERGED_DEPTHS):
+            merged[k] += bin_counts(p[bucket == k], on[bucket == k], 10)
+        assert torch.allclose(ch.counts, counts) and torch.allclose(ch.merged_counts, merged)
+    assert calibration_ratio(merged, 5.0).shape == (MERGED_DEPTHS, 10)

@@ -97,11 +97,12 @@ def test_copied_chain_runs_past_the_heads_depth_and_pads_to_a_tree():
         src.cal["match"].add(7, True)
     tree = src.grow_row(slot, text[2], cap=10)
     assert tree.tokens[1:9] == text[3:11]  # one chain, eight deep
-    tokens, parents, scores = pad_trees([tree, None], 12, "cpu")
+    tokens, parents, scores, depth, anc = pad_trees([tree, None], 12, "cpu")
     assert tokens.shape == (2, 12) and parents[0, 9:].eq(0).all()  # padded with root children
     kids = [int(t) for t, p in zip(tokens[0, 1:], parents[0, 1:]) if p == 0]
     assert len(kids) == len(set(kids))  # none of them a token another root child carries
-    depth, _ = batch_trees(parents, 11)
+    ref_depth, ref_anc = batch_trees(parents, 11)  # the host's ancestry is the device pass's
+    assert torch.equal(depth, ref_depth) and torch.equal(anc, ref_anc)
     assert int(depth[0].max()) == 8
 
 
@@ -211,3 +212,61 @@ def test_argmax_from_the_top_k_pass_is_argmax_ties_included():
     fresh = DraftSources(("recycle",), vocab=50)
     fresh.argmax_noted(tokens, logits, keep)
     assert fresh.table.children(0) and not fresh.table.children(1)  # only the kept rows were learned
+
+
+def test_agreement_corrects_a_candidate_by_what_the_other_sources_said():
+    """sources.Agreement: a recycled token proposed beside a copied different token ("against")
+    and one both propose ("with") start at the recycling calibration's rate; after evidence that
+    tokens against another source fail and tokens with one pass, the first is ranked below the
+    second's rate, the state and the uncorrected conditional are what each proposer learns from,
+    and a tree grown with no other source speaking is untouched."""
+    from eagle2_core.sources import AGAINST, ALONE, WITH
+
+    src = DraftSources(("recycle", "match"), vocab=20)
+    src.table.note(torch.tensor([5]), torch.tensor([[0.0] * 3 + [4.0, 4.0] + [0.0] * 15]))  # after 5: 3 and 4, half each
+    slot = _slot([1, 5, 3, 9, 5], [])  # the context copied 3 after 5 once
+    tree = src.grow_row(slot, 5, cap=3)
+    states = {tree.tokens[i]: [s for s, _ in tree.states[i]] for i in range(1, len(tree.tokens)) if tree.parents[i] == 0}
+    assert sorted(states[3]) == [WITH, WITH] and states[4] == [AGAINST]
+    def root_scores(t):
+        return {t.tokens[i]: t.scores[i] for i in range(1, len(t.tokens)) if t.parents[i] == 0}
+
+    before = root_scores(tree)
+    for _ in range(50):
+        c4 = tree.states[tree.tokens.index(4)][0][1]
+        src.agree.add("recycle", AGAINST, 1, c4, False)
+        src.agree.add("recycle", WITH, 1, c4, True)
+    got = root_scores(src.grow_row(slot, 5, cap=16))
+    assert got[4] < 0.1 * before[4] and got[3] >= before[3]
+    alone = DraftSources(("recycle",), vocab=20)
+    alone.table = src.table
+    lone = alone.grow_row(_slot([1, 5], []), 5, cap=3)
+    assert all(s == ALONE for st in lone.states[1:] for s, _ in st)
+
+
+def test_growth_stops_where_no_larger_tree_can_pay():
+    """budget.BudgetChooser.growth_floor: a next node scoring below E * floor[k] (E the expected
+    tokens of the k-node tree so far) cannot make any larger size beat size k, even with every
+    further node at its score; one above it can for some size. And grow_row stops there."""
+    from eagle2_core.budget import BudgetChooser
+
+    rng = random.Random(5)
+    for _ in range(20):
+        v = torch.tensor(sorted(rng.uniform(10, 30) for _ in range(8)), dtype=torch.float64)
+        d = rng.uniform(0, 3)
+        ch = BudgetChooser.__new__(BudgetChooser)
+        ch.verify_table, ch._table, ch.draft_cost = (lambda v=v: v), (lambda v=v: v.numpy()), (lambda steps, d=d: d)
+        ch._state = lambda: {}
+        ch.merged_counts = torch.zeros(3, 3, 10, dtype=torch.float64)
+        ch.prior_nodes, ch._ratio_cache, ch._floor_cache, ch.counts = 50.0, None, None, torch.zeros(3, 10, dtype=torch.float64)
+        floor = ch.growth_floor(1)
+        for k in range(1, 8):
+            e = rng.uniform(1, 3)
+            for p, pays in ((0.98 * e * floor[k], False), (1.02 * e * floor[k], True)):
+                best = max((e + (m - k) * p) / (float(v[m - 1]) + d) for m in range(k + 1, 9))
+                assert (best > e / (float(v[k - 1]) + d)) == pays
+    src = DraftSources(("match",), vocab=20)
+    slot = _slot(list(range(10)) + [0] + list(range(9)), [])
+    full = src.grow_row(slot, 8, cap=8)
+    cut = src.grow_row(slot, 8, cap=8, floor=[0.0, 0.0, 0.0, 1.0] + [1.0] * 6)  # at 3 nodes no candidate pays
+    assert len(full.tokens) > 3 and len(cut.tokens) == 3 and cut.tokens == full.tokens[:3]

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from eagle2_core.tree import (batch_trees, causal_attention_bias, chain_choices, choices_to_levels, rerank, rerank_batch,
+from eagle2_core.tree import (batch_trees, host_ancestry, causal_attention_bias, chain_choices, choices_to_levels, rerank, rerank_batch,
                               static_choices, tree_from_parents)
 
 NEG = torch.finfo(torch.float32).min
@@ -166,6 +166,8 @@ def test_batched_functions_match_one_tree_each(seed):
     for r in range(4):
         one = tree_from_parents(torch.zeros(9, dtype=torch.long), parents[r])
         assert torch.equal(depth_b[r], one.depth) and torch.equal(anc_b[r], one.ancestors)
+    host_depth, host_anc = host_ancestry(parents.numpy())  # the host's one pass (trees grown by sources.py)
+    assert torch.equal(torch.from_numpy(host_depth), depth_b) and torch.equal(torch.from_numpy(host_anc), anc_b)
 
 
 # -- static trees and chains ----------------------------------------------------------------------
