@@ -19,10 +19,12 @@ invariant). The sources:
 
 The head-free sources cost a host lookup, not a draft step, and may extend any node, the head's
 included. Each source's conditionals are calibrated online per bin (of its raw confidence, or of
-match length) from what verification did, so a head node, a recycled node and a copied node are
-ranked on one scale and the budget chooser (budget.py) sizes the merged tree by the same
+match length) from what verification did, then corrected per depth and by whether the other
+sources agreed at that parent (`Agreement`), so a head node, a recycled node and a copied node
+are ranked on one scale and the budget chooser (budget.py) sizes the merged tree by the same
 expected-tokens-per-ms rule: a source whose nodes do not pay their verify rows simply loses its
-place in the tree. A token proposed twice under one parent is one node. Only which tokens are
+place in the tree. Growth stops where no larger tree could pay (`budget.growth_floor`). A token
+proposed twice under one parent is one node. Only which tokens are
 verified changes, so the output stays the target's (greedy identity; the keyed sampling rule,
 accept.py, is indifferent to how the tree was made).
 
