@@ -239,7 +239,6 @@ class DraftSources:
         self.cal = {"recycle": Calibration((np.arange(CAL_BINS) + 0.5) / CAL_BINS * 0.6),
                     "match": Calibration(MATCH_PRIOR)}
         self.agree = Agreement()
-        self.use_agree = True  # False: the per-source calibration alone (an A/B of the correction)
         self._index: dict[int, tuple[object, ContextIndex]] = {}  # id(slot) -> (slot, its context index)
         self.last: list[RowTree | None] = []
 
@@ -315,7 +314,7 @@ class DraftSources:
         heap: list = []
         seq = 0
         offered: dict[int, dict[str, set]] = {}
-        agree, use_agree = self.agree, self.use_agree
+        agree = self.agree
         states: list[list[tuple[int, float]]] = [[]]
 
         def offer(i: int, cands: list) -> None:
@@ -328,7 +327,7 @@ class DraftSources:
             for t, src, hj, b, c in cands:
                 others = [x for x in said if x != src]
                 state = ALONE if not others else (WITH if any(t in said[x] for x in others) else AGAINST)
-                cc = min(1.0, c * agree.factor(src, state, depth[i] + 1, c)) if use_agree else c
+                cc = min(1.0, c * agree.factor(src, state, depth[i] + 1, c))
                 heapq.heappush(heap, (-scores[i] * cc, seq, i, t, src, hj, b, cc, state, c))
                 seq += 1
 
