@@ -530,14 +530,14 @@ class Cycle:
             raw = pool_s.exp()
             cal = self.policy.calibrated(raw) if self.policy is not None else raw
             head = (pool_t.tolist(), pool_p.tolist(), cal.tolist(), raw.tolist())
-        out = self._padded(*self._grow_rows(head), root)
+        out = self._padded(*self._grow_rows(head, root), root)
         self.merge_s = time.perf_counter() - t0
         return out
 
-    def _grow_rows(self, head) -> tuple[list, int]:
+    def _grow_rows(self, head, root) -> tuple[list, int]:
         """Every busy row's merged tree (sources.grow_row) and the size the budget verifies."""
         src, policy = self.sources, self.policy
-        roots = self.state.root.tolist()
+        roots = root.tolist()
         floor = policy.growth_floor() if policy is not None else None
         trees = [None if s is None else src.grow_row(s, roots[b], self.n_max, None if head is None else tuple(h[b] for h in head), floor)
                  for b, s in enumerate(self.slots)]
@@ -742,7 +742,7 @@ class Cycle:
             # the head-free sources' tree first (no draft step): its expected tokens at the size
             # the budget would verify (section 3) say how much room the head has this cycle
             self.policy.begin(st.active, True, steps=0)
-            rows, size = self._grow_rows(None)
+            rows, size = self._grow_rows(None, st.root)
             gate_bin = self.gate.bin(1.0 + sum(rows[0].scores[1:size]))
             self.gate_s = time.perf_counter() - t0
             if not self.gate.wants(gate_bin):
