@@ -605,6 +605,11 @@ class TreePolicy:
         """The head's path probabilities corrected by its measured calibration (`calibrate`)."""
         return self.chooser._cal(path_probs)
 
+    def rows_ms(self, smaller: int, larger: int) -> float:
+        """ms the verify of `larger` nodes per row costs over `smaller` (the measured table)."""
+        table = self.chooser._table()
+        return max(0.0, float(table[min(larger, table.size) - 1] - table[min(smaller, table.size) - 1]))
+
     def growth_floor(self) -> list[float]:
         """Per tree size, the least score (per expected token) a next node needs to pay anywhere."""
         return self.chooser.growth_floor(self.steps)

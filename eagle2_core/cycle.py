@@ -734,7 +734,7 @@ class Cycle:
         b, dev, st = self.batch, self.run.device, self.state
         if self.sources is not None:
             self.sources.last = []
-        free, gate_bin, self.gate_s = None, None, 0.0
+        free, gate_bin, self.gate_s, free_size = None, None, 0.0, 1
         if self.gated:  # the head skipped the last cycle: the gate asks again
             self.resume_head()
             self.gated = False
@@ -743,7 +743,7 @@ class Cycle:
             # the budget would verify (section 3) say how much room the head has this cycle
             self.policy.begin(st.active, True, steps=0)
             rows, size = self._grow_rows(None, st.root)
-            gate_bin = self.gate.bin(1.0 + sum(rows[0].scores[1:size]))
+            gate_bin, free_size = self.gate.bin(1.0 + sum(rows[0].scores[1:size])), size
             self.gate_s = time.perf_counter() - t0
             if not self.gate.wants(gate_bin):
                 self.stop_drafting()  # its pairs wait in `paused`; the next cycle asks again
@@ -801,7 +801,12 @@ class Cycle:
             if self.speculative:
                 made, ms, head_ms = sum(values[i][0] + 1 for i in busy), 1000 * (t2 - t0 + tail), 1000 * max(0.0, t1 - t0 - self.merge_s - self.gate_s)
                 if gate_bin is not None:
-                    self.gate.record(gate_bin, made, ms, only_head, head_ms)
+                    # without the head the cycle would also have verified the head-free tree at its
+                    # own size, not this one: the rows its nodes added are its cost too (on the
+                    # 4-bit blocks a second row costs 1.18x the first, and the head's cycles gave
+                    # 6.9 ms a token where plain ones gave 6.1 while the gate let it draft)
+                    rows_ms = self.policy.rows_ms(free_size, n)
+                    self.gate.record(gate_bin, made, ms, only_head, head_ms + rows_ms)
                 else:
                     add_to_tally(self.head_tally, made, ms, only_head, head_ms)
         if scores is not None and (self.policy is not None or self.record_confidence):

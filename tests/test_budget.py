@@ -457,3 +457,15 @@ def test_the_choosers_host_arrays_compute_the_tensor_functions():
             merged[k] += bin_counts(p[bucket == k], on[bucket == k], 10)
         assert torch.allclose(ch.counts, counts) and torch.allclose(ch.merged_counts, merged)
     assert calibration_ratio(merged, 5.0).shape == (MERGED_DEPTHS, 10)
+
+
+def test_the_rows_a_larger_tree_adds_are_priced_from_the_measured_table():
+    """TreePolicy.rows_ms: what verifying `larger` nodes per row costs over `smaller` (the head
+    gate charges the head the rows its nodes add over the head-free tree's own size)."""
+    from eagle2_core.budget import TreePolicy
+
+    prof = fake_profile({1: 10.0, 2: 12.0, 4: 16.0, 8: 40.0})
+    pol = TreePolicy(BudgetChooser(prof, 8, step_ms=1.0))
+    assert pol.rows_ms(1, 4) == pytest.approx(6.0) and pol.rows_ms(2, 8) == pytest.approx(28.0)
+    assert pol.rows_ms(4, 4) == 0.0 and pol.rows_ms(4, 2) == 0.0  # never negative
+    assert pol.rows_ms(1, 20) == pytest.approx(30.0)  # past the table: its largest size

@@ -37,8 +37,10 @@ def test_compare_json_keys(tmp_path, tiny_model_dir, tiny_head_dir):
     # over generate) times speculation alone (eagle2 over plain) is the speedup over generate.
     p = d["plain"]
     assert p["identical"] == 2 and "tau" not in p and p["tokens_per_s"] > 0
-    assert d["plain_over_generate"] == p["speedup"] == round(p["tokens_per_s"] / v["tokens_per_s"], 4)
-    assert d["speedup_over_plain"] == e["speedup_over_plain"] == round(e["tokens_per_s"] / p["tokens_per_s"], 4)
+    # the ratios come from the unrounded speeds, the JSON's speeds are rounded to 3 decimals: the
+    # ratio of the rounded ones may differ in the 4th decimal (it did, 1 run in about 10)
+    assert d["plain_over_generate"] == p["speedup"] == pytest.approx(p["tokens_per_s"] / v["tokens_per_s"], abs=2e-4)
+    assert d["speedup_over_plain"] == e["speedup_over_plain"] == pytest.approx(e["tokens_per_s"] / p["tokens_per_s"], abs=2e-4)
     assert abs(d["plain_over_generate"] * d["speedup_over_plain"] - d["speedup"]) < 1e-3 * d["speedup"]
     assert "speedup_over_plain" not in v and "speedup_over_plain" not in p and "own" in r.stdout  # the "over own plain" column
     assert len(d["per_prompt"]) == 2 and d["settings"]["generation"]["max_new_tokens"] == 6
