@@ -17,13 +17,20 @@ import numpy as np
 import torch
 
 
-def expected_tokens(path_probs_desc: torch.Tensor) -> torch.Tensor:
+def host(x) -> np.ndarray:
+    """A float64 host array of a tensor or array: the choices below run on the host, several
+    times a cycle over a few dozen numbers, where a tensor op's overhead would dominate."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().double().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def expected_tokens(path_probs_desc) -> np.ndarray:
     """[1 + sum of the first i path probabilities] for tree sizes i + 1 = 1 .. len + 1."""
-    zero = torch.zeros(1, dtype=path_probs_desc.dtype, device=path_probs_desc.device)
-    return 1.0 + torch.cat([zero, torch.cumsum(path_probs_desc, 0)])
+    return 1.0 + np.concatenate(([0.0], np.cumsum(host(path_probs_desc))))
 
 
-def choose_budget(path_probs_desc: torch.Tensor, verify_ms: torch.Tensor, draft_ms: float | torch.Tensor = 0.0) -> int:
+def choose_budget(path_probs_desc, verify_ms, draft_ms: float | torch.Tensor = 0.0) -> int:
     """Tree size n* (root included) maximising expected tokens per ms.
 
     `path_probs_desc`: the reranked nodes' path probabilities, highest first (a prefix of that
@@ -31,12 +38,12 @@ def choose_budget(path_probs_desc: torch.Tensor, verify_ms: torch.Tensor, draft_
     `verify_ms[n - 1]`: the measured cost of verifying n rows, for n = 1 .. at least len + 1.
     `draft_ms`: the cycle's drafting cost, paid whatever the size. Ties go to the smaller tree.
     """
-    m = path_probs_desc.numel() + 1
-    if verify_ms.numel() < m:
-        raise ValueError(f"cost table has {verify_ms.numel()} sizes, the tree needs {m}")
-    gain = expected_tokens(path_probs_desc.double())
-    rate = gain / (verify_ms[:m].double() + float(draft_ms))
-    return int(torch.argmax(rate)) + 1  # argmax returns the first maximum: the smallest tree
+    p, v = host(path_probs_desc), host(verify_ms)
+    m = p.size + 1
+    if v.size < m:
+        raise ValueError(f"cost table has {v.size} sizes, the tree needs {m}")
+    rate = expected_tokens(p) / (v[:m] + float(draft_ms))
+    return int(np.argmax(rate)) + 1  # argmax returns the first maximum: the smallest tree
 
 
 # --- Calibration (section 3) as evidence and as a correction -------------------------------
@@ -64,19 +71,19 @@ def calibration_gap(counts: torch.Tensor) -> float:
 BADLY_CALIBRATED = 0.03
 
 
-def calibration_ratio(counts: torch.Tensor, prior_nodes: float) -> torch.Tensor:
+def calibration_ratio(counts, prior_nodes: float) -> np.ndarray:
     """Each bin's correction factor (accepted + w m) / (confidence sum + w m), m the bin's mean
     confidence and w = `prior_nodes` perfectly calibrated pseudo-nodes: `counts` [..., 3, bins]
     (bin_counts, or one such table per depth) -> [..., bins]."""
-    c = counts.detach().double().cpu().numpy()
+    c = host(counts)
     bins = c.shape[-1]
     nodes, accepted, conf = c[..., 0, :], c[..., 1, :], c[..., 2, :]
     centre = (np.arange(bins, dtype=np.float64) + 0.5) / bins
     m = np.where(nodes > 0, conf / np.maximum(nodes, 1.0), centre)
-    return torch.from_numpy((accepted + prior_nodes * m) / (conf + prior_nodes * m))
+    return (accepted + prior_nodes * m) / (conf + prior_nodes * m)
 
 
-def calibrate(path_probs: torch.Tensor, counts: torch.Tensor, prior_nodes: float, ratio: torch.Tensor | None = None) -> torch.Tensor:
+def calibrate(path_probs, counts, prior_nodes: float, ratio: np.ndarray | None = None) -> np.ndarray:
     """Path probabilities corrected by the measured acceptance of their confidence bin.
 
     Each bin scales its nodes by `calibration_ratio`: with no evidence the draft's own
@@ -84,24 +91,23 @@ def calibrate(path_probs: torch.Tensor, counts: torch.Tensor, prior_nodes: float
     rate does. Scaling (rather than replacing by the bin mean) keeps the order of nodes within a
     bin; results are capped at 1. `ratio`: the table already computed from `counts`.
     """
+    p = host(path_probs)
     ratio = calibration_ratio(counts, prior_nodes) if ratio is None else ratio
     bins = ratio.shape[-1]
-    b = (path_probs * bins).long().clamp(0, bins - 1)
-    return (path_probs * ratio.to(path_probs.dtype)[b]).clamp(max=1.0)
+    return np.minimum(p * ratio[np.clip((p * bins).astype(np.int64), 0, bins - 1)], 1.0)
 
 
 MERGED_DEPTHS = 3  # merged trees' scores are calibrated per depth 1, 2, 3+
 
 
-def calibrate_by_depth(path_probs: torch.Tensor, depth: torch.Tensor, counts: torch.Tensor, prior_nodes: float,
-                       ratio: torch.Tensor | None = None) -> torch.Tensor:
+def calibrate_by_depth(path_probs, depth, counts, prior_nodes: float, ratio: np.ndarray | None = None) -> np.ndarray:
     """`calibrate` with one table per depth bucket: `counts` [MERGED_DEPTHS, 3, bins], `depth`
     (same shape as `path_probs`) each node's depth (1 = a root child)."""
+    p = host(path_probs)
     ratio = calibration_ratio(counts, prior_nodes) if ratio is None else ratio
     bins = ratio.shape[-1]
-    bucket = depth.clamp(1, ratio.shape[0]) - 1
-    b = (path_probs * bins).long().clamp(0, bins - 1)
-    return (path_probs * ratio.to(path_probs.dtype)[bucket, b]).clamp(max=1.0)
+    bucket = np.clip(host(depth).astype(np.int64), 1, ratio.shape[0]) - 1
+    return np.minimum(p * ratio[bucket, np.clip((p * bins).astype(np.int64), 0, bins - 1)], 1.0)
 
 
 def monotone(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -129,26 +135,22 @@ def head_pays(tokens: float, ms: float, head_tokens: float, head_ms: float) -> b
     return tokens / ms >= (tokens - head_tokens) / (ms - head_ms)
 
 
-def mean_row(probs: torch.Tensor) -> torch.Tensor:
+def mean_row(probs) -> np.ndarray:
     """[rows, m] path probabilities -> [m]: each row sorted highest first, then averaged over rows.
     One tree size serves every row of a batch, so its expected tokens per row are the mean of the
     rows' own prefixes (at batch 1, the row itself)."""
-    return torch.sort(probs, dim=-1, descending=True).values.mean(0)
+    return -np.sort(-host(probs), axis=-1).mean(0)
 
 
 def _bin_counts(p: np.ndarray, on: np.ndarray, bins: int, offset: np.ndarray | int = 0, groups: int = 1) -> np.ndarray:
-    """`bin_counts` on arrays, with `offset` (a multiple of `bins` per entry) splitting the
-    entries into `groups` tables: [3, groups, bins]."""
+    """`bin_counts` on the host for the chooser's own evidence (`bin_counts` stays on the tree's
+    device for the summaries' confidence table, read only when reported), with `offset` (a
+    multiple of `bins` per entry) splitting the entries into `groups` tables: [3, groups, bins]."""
     cell = offset + np.clip((p * bins).astype(np.int64), 0, bins - 1)
     size = groups * bins
     out = np.stack([np.bincount(cell, minlength=size).astype(np.float64), np.bincount(cell, weights=on, minlength=size),
                     np.bincount(cell, weights=p, minlength=size)])
     return out.reshape(3, groups, bins)
-
-
-def _mean_row(probs: np.ndarray) -> np.ndarray:
-    """`mean_row` on an array."""
-    return -np.sort(-probs, axis=-1).mean(0)
 
 
 def new_tally(old: dict | None = None, cycles: int = 0) -> dict:
@@ -383,30 +385,24 @@ class BudgetChooser:
         return overhead + steps * step
 
     # -- choices --------------------------------------------------------------------------------
-    # The choices below run on the host several times a cycle over a few dozen numbers, so they
-    # use arrays (the pure tensor functions above are what they compute: tests hold them equal).
+    # -- choices (host arrays: `host`) ---------------------------------------------------------
     def _ratios(self) -> tuple[np.ndarray, np.ndarray, float]:
         """(the head's calibration table, the merged trees' per depth, the largest merged factor),
         computed once per cycle's evidence: tree growth and sizing read them many times."""
         if self._ratio_cache is None:
-            merged = calibration_ratio(self.merged_counts, self.prior_nodes).numpy()
-            self._ratio_cache = (calibration_ratio(self.counts, self.prior_nodes).numpy(), merged, max(1.0, float(merged.max())))
+            merged = calibration_ratio(self.merged_counts, self.prior_nodes)
+            self._ratio_cache = (calibration_ratio(self.counts, self.prior_nodes), merged, max(1.0, float(merged.max())))
         return self._ratio_cache
 
-    def _cal_np(self, p: np.ndarray) -> np.ndarray:
-        ratio = self._ratios()[0]
-        b = np.clip((p * ratio.size).astype(np.int64), 0, ratio.size - 1)
-        return np.minimum(p * ratio[b], 1.0)
-
-    def _cal(self, probs: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self._cal_np(probs.detach().double().cpu().numpy()))
+    def _cal(self, probs) -> np.ndarray:
+        """The head's path probabilities corrected by its measured calibration (`calibrate`)."""
+        return calibrate(probs, self.counts, self.prior_nodes, self._ratios()[0])
 
     def _rate(self, p: np.ndarray, steps: int) -> float:
         """Best expected tokens per row per ms over prefixes of `p` (one row's calibrated path
         probabilities, highest first)."""
         p = p[: self.max_tokens - 1]
-        gain = 1.0 + np.concatenate(([0.0], np.cumsum(p)))
-        return float((gain / (self._table()[: p.size + 1] + self.draft_cost(steps))).max())
+        return float((expected_tokens(p) / (self._table()[: p.size + 1] + self.draft_cost(steps))).max())
 
     def choose(self, path_probs: torch.Tensor, steps: int, depth: torch.Tensor | None = None) -> int:
         """Tree size (root included) for this cycle: `path_probs` [rows, m] (or [m]) are each busy
@@ -414,20 +410,12 @@ class BudgetChooser:
         tree's node depths (sources.py: its scores on the one scale of acceptance estimates,
         corrected per depth), None for the head's raw confidence. `choose_budget` over the
         calibrated rows' mean (`mean_row`)."""
-        p = np.atleast_2d(torch.as_tensor(path_probs).detach().double().cpu().numpy())
+        p = np.atleast_2d(host(path_probs))
         if depth is None:
-            p = self._cal_np(p)
+            p = self._cal(p)
         else:
-            ratio = self._ratios()[1]
-            bucket = np.clip(np.atleast_2d(torch.as_tensor(depth).cpu().numpy()), 1, ratio.shape[0]) - 1
-            b = np.clip((p * ratio.shape[1]).astype(np.int64), 0, ratio.shape[1] - 1)
-            p = np.minimum(p * ratio[bucket, b], 1.0)
-        p = _mean_row(p)[: self.max_tokens - 1]
-        gain = 1.0 + np.concatenate(([0.0], np.cumsum(p)))
-        table = self._table()
-        if table.size < p.size + 1:
-            raise ValueError(f"cost table has {table.size} sizes, the tree needs {p.size + 1}")
-        return int(np.argmax(gain / (table[: p.size + 1] + self.draft_cost(steps)))) + 1  # the first maximum: the smallest tree
+            p = calibrate_by_depth(p, np.atleast_2d(host(depth)), self.merged_counts, self.prior_nodes, self._ratios()[1])
+        return choose_budget(mean_row(p)[: self.max_tokens - 1], self._table(), self.draft_cost(steps))
 
     def growth_floor(self, steps: int) -> list[float]:
         """floor[k] for a tree of k nodes (root included): with expected tokens E so far, a next
@@ -460,15 +448,15 @@ class BudgetChooser:
         tree, where a preset depth would pay for every level (on a CPU where one extra row costs
         nearly a whole forward, often just the root). [rows, m] inputs: per row, then averaged.
         """
-        pool = self._cal_np(np.exp(np.atleast_2d(pool_logp.detach().double().cpu().numpy())))
-        front = np.exp(np.atleast_2d(front_logp.detach().double().cpu().numpy()))
-        now = self._rate(_mean_row(pool), steps)
+        pool = self._cal(np.exp(np.atleast_2d(host(pool_logp))))
+        front = np.exp(np.atleast_2d(host(front_logp)))
+        now = self._rate(mean_row(pool), steps)
         keep = (self.keep_sum + 0.5 * self.prior_cycles) / (self.keep_n + self.prior_cycles)  # a half before any evidence
         extra = [pool]
         for level in range(1, remaining + 1):
             # the deeper node's path probability is what the measured bins correct, not its factors
-            extra.append(self._cal_np(front * keep ** level))
-            if self._rate(_mean_row(np.concatenate(extra, -1)), steps + level) > now:
+            extra.append(self._cal(front * keep ** level))
+            if self._rate(mean_row(np.concatenate(extra, -1)), steps + level) > now:
                 return True
         return False
 
@@ -539,15 +527,15 @@ class BudgetChooser:
         self.run_tokens += float(tokens) if tokens is not None else float(on_path.sum()) + path_probs.shape[0]
         self.run_ms += draft_ms + verify_ms
         self._ratio_cache = self._floor_cache = None
-        on = np.asarray(torch.as_tensor(on_path).detach().cpu().double().numpy()).reshape(-1)
+        on = host(on_path).reshape(-1)
         bins = self.counts.shape[1]
         if merged is not None:
-            m = torch.as_tensor(merged[0]).detach().double().cpu().numpy().reshape(-1)
-            d = np.clip(torch.as_tensor(merged[1]).cpu().numpy().reshape(-1), 1, MERGED_DEPTHS) - 1
+            m = host(merged[0]).reshape(-1)
+            d = np.clip(host(merged[1]).astype(np.int64).reshape(-1), 1, MERGED_DEPTHS) - 1
             self.merged_counts += torch.from_numpy(_bin_counts(m, on, bins, d * bins, MERGED_DEPTHS).transpose(1, 0, 2).copy())
-        p = torch.as_tensor(path_probs).detach().double().cpu().numpy().reshape(-1)
+        p = host(path_probs).reshape(-1)
         if head_nodes is not None:
-            keep = torch.as_tensor(head_nodes).cpu().numpy().reshape(-1)
+            keep = host(head_nodes).reshape(-1) > 0
             p, on = p[keep], on[keep]
         if p.size:
             self.counts += torch.from_numpy(_bin_counts(p, on, bins)[:, 0])
@@ -601,7 +589,7 @@ class TreePolicy:
         best = torch.topk(self._busy(pool_logp), n_max - 1, dim=1).values.exp()
         return self.chooser.choose(best, self.steps)
 
-    def calibrated(self, path_probs: torch.Tensor) -> torch.Tensor:
+    def calibrated(self, path_probs: torch.Tensor) -> np.ndarray:
         """The head's path probabilities corrected by its measured calibration (`calibrate`)."""
         return self.chooser._cal(path_probs)
 
