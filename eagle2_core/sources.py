@@ -439,6 +439,24 @@ class DraftSources:
         return only_head
 
 
+def tokens_taken(tree: RowTree, n: int, emitted: list[int]) -> int:
+    """Tokens a greedy cycle would have produced verifying the first `n` nodes of `tree`, given
+    the tokens the target emitted after the root (`emitted`: accepted path plus bonus): one more
+    than the deepest of those nodes whose path the target's tokens follow. Past `emitted` the
+    target's tokens are unknown, so a path that follows all of them counts as far as they go
+    (a lower bound there)."""
+    on = [True] + [False] * (min(n, len(tree.tokens)) - 1)
+    deep = [0] * len(on)
+    best = 0
+    for i in range(1, len(on)):
+        p = tree.parents[i]
+        d = deep[i] = deep[p] + 1
+        on[i] = on[p] and d <= len(emitted) and tree.tokens[i] == emitted[d - 1]
+        if on[i] and d > best:
+            best = d
+    return best + 1
+
+
 def node_depths(parents: list[int]) -> list[int]:
     """Each node's depth (the root 0) of a tree whose parents precede their children."""
     depth = [0] * len(parents)

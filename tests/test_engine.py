@@ -697,6 +697,46 @@ def test_a_stopped_head_catches_up_when_tried_again(tiny_lm, fitted_head, monkey
     assert again[1][0] == reference(model, ids[:2], 30, ())
 
 
+def test_the_gate_credits_the_head_with_what_the_head_free_tree_would_not_have_made(tiny_lm, fitted_head, monkeypatch):
+    """A head cycle's evidence for budget.HeadGate (greedy rows): the head made what the cycle
+    produced minus what the head-free tree the gate grew first would have produced at its own
+    size, read off the tokens the target emitted (sources.tokens_taken), so its agreement's
+    effect on the others' nodes counts too. Checked against the target's own greedy
+    continuation at every head cycle of a run."""
+    from eagle2_core import cycle as cycle_mod
+    from eagle2_core.budget import HeadGate
+    from eagle2_core.sources import tokens_taken
+
+    env = make_env("llama", tiny_lm, fitted_head)
+    model, head = env["model"], env["head"]
+    ids, n_new = [3, 1, 4, 1, 5], 40
+    ref = reference(model, ids, n_new + 12, ())
+    free, seen = [], []
+    grow = cycle_mod.Cycle._grow_rows
+
+    def grow_rows(self, head_pool, root):
+        trees, n = grow(self, head_pool, root)
+        if head_pool is None:  # the gate's head-free tree, grown before the head drafts
+            free.append((trees[0], n, len(self.slots[0].tokens)))
+        return trees, n
+
+    monkeypatch.setattr(cycle_mod.Cycle, "_grow_rows", grow_rows)
+    monkeypatch.setattr(HeadGate, "wants", lambda self, b: True)
+    monkeypatch.setattr(HeadGate, "record", lambda self, b, made, ms, head_tokens, head_ms: seen.append((free[-1], made, head_tokens)))
+    engine = make_engine(model, head, "mixed", 1)
+    out = run_all(engine, [Request(0, ids, GenerationSettings(max_new_tokens=n_new, eos_token_ids=()))])
+    assert out[0][0] == ref[:n_new]
+    assert len(seen) >= 5
+    exact = 0
+    for (tree, size, pos), made, head_tokens in seen:
+        after = ref[pos:]  # the target's tokens after this cycle's root (the last token emitted before it)
+        assert head_tokens == made - tokens_taken(tree, size, after[:made])
+        true = tokens_taken(tree, size, after)  # past the emitted tokens the bound may fall short
+        assert true >= made - head_tokens
+        exact += true == made - head_tokens
+    assert exact >= len(seen) // 2
+
+
 @pytest.mark.parametrize("name", ["llama", "eagle3"])
 def test_the_gate_skips_the_head_for_some_cycles_and_it_catches_up(tiny_lm, fitted_head, monkeypatch, name):
     """budget.HeadGate decides per cycle whether the head drafts beside the head-free sources

@@ -16,7 +16,8 @@ import torch
 from eagle2_core import Engine, GenerationSettings, TreeSettings
 from eagle2_core.cycle import Slot
 from eagle2_core.engine import Request
-from eagle2_core.sources import (MATCH_MAX, ContextIndex, DraftSources, RecyclingTable, parse_sources, pad_trees)
+from eagle2_core.sources import (MATCH_MAX, ContextIndex, DraftSources, RecyclingTable, RowTree, parse_sources, pad_trees,
+                                 tokens_taken)
 from eagle2_core.tree import batch_trees
 
 from test_engine import STEP, run_all
@@ -270,3 +271,38 @@ def test_growth_stops_where_no_larger_tree_can_pay():
     full = src.grow_row(slot, 8, cap=8)
     cut = src.grow_row(slot, 8, cap=8, floor=[0.0, 0.0, 0.0, 1.0] + [1.0] * 6)  # at 3 nodes no candidate pays
     assert len(full.tokens) > 3 and len(cut.tokens) == 3 and cut.tokens == full.tokens[:3]
+
+
+def test_the_tokens_a_tree_would_have_taken_follow_the_targets_emitted_tokens():
+    """sources.tokens_taken: what a greedy cycle verifying the first n nodes of a tree would have
+    produced, from the tokens the target emitted (the head gate's counterfactual for the
+    head-free tree): one more than the deepest node on the emitted path, a lower bound where a
+    path follows every emitted token."""
+    # root 0 -> 5 (1), 6 (2); 5 -> 7 (3), 8 (4); 7 -> 9 (5)
+    tree = RowTree(tokens=[0, 5, 6, 7, 8, 9], parents=[-1, 0, 0, 1, 1, 3], scores=[1.0, 0.5, 0.3, 0.2, 0.1, 0.05])
+    assert tokens_taken(tree, 6, [5, 7, 9, 4]) == 4     # 5, 7, 9 accepted, then the target's own token
+    assert tokens_taken(tree, 6, [5, 8, 1]) == 3        # the second branch
+    assert tokens_taken(tree, 6, [6, 2]) == 2
+    assert tokens_taken(tree, 6, [4]) == 1              # nothing drafted was the target's: the bonus alone
+    assert tokens_taken(tree, 5, [5, 7, 9, 4]) == 3     # node 5 (token 9) is past the verified size
+    assert tokens_taken(tree, 3, [5, 7, 9, 4]) == 2
+    assert tokens_taken(tree, 1, [5, 7]) == 1           # the root alone: a plain step
+    assert tokens_taken(tree, 6, [5, 7]) == 3           # the path runs past what was emitted: counted as far as known
+    # against a brute force over random trees and emitted paths
+    rng = random.Random(0)
+    for _ in range(200):
+        m = rng.randint(1, 9)
+        parents = [-1] + [rng.randrange(i) for i in range(1, m)]
+        tokens = [0] + [rng.randrange(3) for _ in range(1, m)]
+        t = RowTree(tokens=tokens, parents=parents, scores=[1.0] * m)
+        emitted = [rng.randrange(3) for _ in range(rng.randint(1, 5))]
+        n = rng.randint(1, m)
+        best = 0
+        for i in range(1, n):
+            path, j = [], i
+            while j > 0:
+                path.append(tokens[j])
+                j = parents[j]
+            if path[::-1] == emitted[: len(path)] and len(path) <= len(emitted):
+                best = max(best, len(path))
+        assert tokens_taken(t, n, emitted) == best + 1
