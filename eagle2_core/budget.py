@@ -511,7 +511,8 @@ class BudgetChooser:
         which were accepted, its times, its draft steps, and the tokens it produced. `head_nodes`
         (same shape, bool): in a merged tree, the nodes the head proposed, the only ones its
         calibration learns from (`path_probs` then holds the head's raw path probabilities);
-        `merged`: there, (every node's merged score, its depth), what the size is chosen on."""
+        `merged`: there, (every node's merged score, its depth, whether it was accepted), what the
+        size is chosen on (without the third, `on_path`)."""
         path_probs, on_path = torch.atleast_2d(path_probs), torch.atleast_2d(on_path)  # [rows, N - 1]
         n = path_probs.shape[-1] + 1
         st = self._state()
@@ -532,7 +533,8 @@ class BudgetChooser:
         if merged is not None:
             m = host(merged[0]).reshape(-1)
             d = np.clip(host(merged[1]).astype(np.int64).reshape(-1), 1, MERGED_DEPTHS) - 1
-            self.merged_counts += torch.from_numpy(_bin_counts(m, on, bins, d * bins, MERGED_DEPTHS).transpose(1, 0, 2).copy())
+            got = host(merged[2]).reshape(-1) if len(merged) > 2 else on
+            self.merged_counts += torch.from_numpy(_bin_counts(m, got, bins, d * bins, MERGED_DEPTHS).transpose(1, 0, 2).copy())
         p = host(path_probs).reshape(-1)
         if head_nodes is not None:
             keep = host(head_nodes).reshape(-1) > 0

@@ -34,7 +34,7 @@ from .accept import accept_greedy_batch, accept_sampling_keyed, position_uniform
 from .budget import HeadGate, TreePolicy, add_to_tally, new_tally
 from .kvcache import KVCache, num_cache_layers
 from .rowgemm import row_linears
-from .sources import DraftSources, node_depths, pad_trees, tokens_taken
+from .sources import DraftSources, known_outcomes, node_depths, pad_trees, tokens_taken
 from .target import TargetRunner, capture_layer_inputs
 from .tree import (additive, batch_trees, causal_rows, chain_choices, choices_to_levels, context_and_tree, rerank_batch, row_tree,
                    static_choices, windowed)
@@ -819,7 +819,10 @@ class Cycle:
                 else:
                     add_to_tally(self.head_tally, made, ms, only_head, head_ms)
         if scores is not None and (self.policy is not None or self.record_confidence):
-            self._observe(scores, depth, path, [v[0] for v in values], t1 - t0 + tail, t2 - t1)
+            known = None
+            if self.policy is not None and self.sources is not None and self.sources.last and all(e is not None for e in emitted):
+                known = [known_outcomes(self.sources.last[i], e) for i, e in zip(busy, emitted)]
+            self._observe(scores, depth, path, [v[0] for v in values], t1 - t0 + tail, t2 - t1, known)
         if self.drafting:
             self.tail_s = time.perf_counter() - t2
         return out
@@ -850,18 +853,28 @@ class Cycle:
             self.state.new_tokens = pending
         return self.last
 
-    def _observe(self, scores, depth, path, accepted: list[int], draft_s: float, verify_s: float) -> None:
+    def _observe(self, scores, depth, path, accepted: list[int], draft_s: float, verify_s: float, known=None) -> None:
         """Calibration evidence (section 3): each drafted node's path probability and whether it
-        was accepted, for the chooser's per-bin correction and compare's calibration table."""
+        was accepted, for the chooser's per-bin correction and compare's calibration table.
+        `known`: for a merged tree whose rows all decode greedily, every grown node whose fate the
+        emitted tokens decide (sources.known_outcomes, per busy row), verified or not."""
         busy = [i for i, s in enumerate(self.slots) if s is not None]
         # paths are padded with the root (column 0, dropped below), so one scatter marks each row's path
         on = torch.zeros(len(busy), scores.shape[1], dtype=torch.float, device=scores.device).scatter_(1, path[busy], 1.0)
         probs = scores[busy, 1:].exp()
         if self.policy is not None:
             head_raw = self._head_raw(busy, scores.shape[1])  # merged trees: the head's own calibration learns from its nodes only
+            merged = None
+            if head_raw is not None:
+                # The size is chosen on the merged scores: their calibration learns from every
+                # node whose fate is known, not only the verified ones. From the verified alone,
+                # a cycle sized small adds little evidence and one sized large much, so estimates
+                # judged too low kept the trees small and stayed too low (bfloat16, SmolLM2:
+                # whole answers decoded plain where a constant 4-node tree gave tau 1.7).
+                merged = (probs, depth[busy, 1:], on[:, 1:]) if known is None else tuple(
+                    np.concatenate([np.asarray(k[j], dtype=np.float64) for k in known]) for j in range(3))
             self.policy.observe(probs if head_raw is None else head_raw[0], on[:, 1:], draft_s, verify_s,
-                                sum(accepted[i] + 1 for i in busy), None if head_raw is None else head_raw[1],
-                                None if head_raw is None else (probs, depth[busy, 1:]))
+                                sum(accepted[i] + 1 for i in busy), None if head_raw is None else head_raw[1], merged)
         if self.record_confidence:
             for j, i in enumerate(busy):
                 self.slots[i].summary.record_confidence(probs[j], on[j, 1:])

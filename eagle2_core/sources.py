@@ -457,6 +457,31 @@ def tokens_taken(tree: RowTree, n: int, emitted: list[int]) -> int:
     return best + 1
 
 
+def known_outcomes(tree: RowTree, emitted: list[int]) -> tuple[list[float], list[int], list[bool]]:
+    """Every grown node of a greedy row's tree whose fate the emitted tokens decide, verified or
+    not: (scores, depths, accepted). A node is accepted exactly when its path is the target's
+    tokens; it is known to fail once its path leaves them, and unknown where its path follows
+    every emitted token and runs deeper (what the target takes there was never computed)."""
+    n = len(tree.tokens)
+    state = [1] + [0] * (n - 1)  # 1 on the target's path, 0 off it, -1 unknown
+    deep = [0] * n
+    scores, depths, on = [], [], []
+    for i in range(1, n):
+        p = tree.parents[i]
+        d = deep[i] = deep[p] + 1
+        if state[p] != 1:
+            state[i] = state[p]
+        elif d > len(emitted):
+            state[i] = -1
+        else:
+            state[i] = int(tree.tokens[i] == emitted[d - 1])
+        if state[i] >= 0:
+            scores.append(tree.scores[i])
+            depths.append(d)
+            on.append(state[i] == 1)
+    return scores, depths, on
+
+
 def node_depths(parents: list[int]) -> list[int]:
     """Each node's depth (the root 0) of a tree whose parents precede their children."""
     depth = [0] * len(parents)

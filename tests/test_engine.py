@@ -135,6 +135,10 @@ def test_greedy_identity(env, mode, batch, monkeypatch):
         return real_forward(self, tokens, positions, *args)
 
     monkeypatch.setattr(TargetRunner, "body_forward", forward)
+    admitted, steps = [], []  # per cycle: (requests admitted so far, busy rows, rows)
+    real_admit, real_step = Cycle.admit, Cycle.step
+    monkeypatch.setattr(Cycle, "admit", lambda self, *a, **k: admitted.append(1) or real_admit(self, *a, **k))
+    monkeypatch.setattr(Cycle, "step", lambda self: steps.append((len(admitted), self.busy, self.batch)) or real_step(self))
     cases = env["cases"]
     assert len(cases) > 2 * batch  # more prompts than rows: rows are refilled mid-run
     engine = make_engine(env["model"], env["head"], mode, batch)
@@ -147,8 +151,9 @@ def test_greedy_identity(env, mode, batch, monkeypatch):
     for i, c in enumerate(cases):
         check_summary(out[i][1], out[i][0], c)
     assert max(max_pos) == MAXPOS - 1  # reached (a prompt one short of the limit), never exceeded
-    if batch > 1:
-        assert engine.cycle.batch < batch  # idle rows were dropped once the queue ran dry
+    if batch > 1:  # idle rows were dropped once the queue ran dry: no cycle ran half idle after the last admission
+        dry = [(busy, rows) for n, busy, rows in steps if n == len(admitted)]
+        assert dry and all(busy > rows // 2 for busy, rows in dry), dry
     if mode == "plain":
         assert set(sizes) == {1} and set(hist) == {0}
     else:
@@ -735,6 +740,48 @@ def test_the_gate_credits_the_head_with_what_the_head_free_tree_would_not_have_m
         assert true >= made - head_tokens
         exact += true == made - head_tokens
     assert exact >= len(seen) // 2
+
+
+def test_the_merged_calibration_learns_from_every_grown_node_the_target_decided(tiny_lm, fitted_head, monkeypatch):
+    """The merged trees' calibration (what the budget sizes a tree on) counts, on greedy rows,
+    every grown node whose fate the emitted tokens decide, verified or not: per cycle the nodes
+    whose path is the target's tokens as accepted, those whose path leaves them as rejected.
+    Checked against the target's own greedy continuation; from the verified nodes alone the
+    counts would stop growing wherever the budget verifies little."""
+    from eagle2_core import cycle as cycle_mod
+
+    env = make_env("llama", tiny_lm, fitted_head)
+    model, head = env["model"], env["head"]
+    ids, n_new = [3, 1, 4, 1, 5], 40
+    ref = reference(model, ids, n_new + 12, ())
+    seen = []
+    observe = cycle_mod.Cycle._observe
+
+    def spy(self, scores, depth, path, accepted, *a, **k):
+        seen.append((self.sources.last[0], len(self.slots[0].tokens), accepted[0] + 1, scores.shape[1]))
+        return observe(self, scores, depth, path, accepted, *a, **k)
+
+    monkeypatch.setattr(cycle_mod.Cycle, "_observe", spy)
+    engine = make_engine(model, head, "mixed", 1)
+    out = run_all(engine, [Request(0, ids, GenerationSettings(max_new_tokens=n_new, eos_token_ids=()))])
+    assert out[0][0] == ref[:n_new]
+    nodes = accepted = verified = 0
+    for tree, pos, made, n in seen:
+        emitted = ref[pos : pos + made]
+        verified += n - 1
+        for i in range(1, len(tree.tokens)):
+            route, j = [], i
+            while j > 0:
+                route.append(tree.tokens[j])
+                j = tree.parents[j]
+            route = route[::-1]
+            if route[: len(emitted)] != emitted[: len(route)]:
+                nodes += 1  # left the target's tokens: rejected
+            elif len(route) <= len(emitted):
+                nodes, accepted = nodes + 1, accepted + 1
+    counts = engine.chooser.merged_counts
+    assert len(seen) >= 5 and nodes > verified
+    assert float(counts[:, 0].sum()) == nodes and float(counts[:, 1].sum()) == accepted
 
 
 @pytest.mark.parametrize("name", ["llama", "eagle3"])

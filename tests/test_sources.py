@@ -16,8 +16,8 @@ import torch
 from eagle2_core import Engine, GenerationSettings, TreeSettings
 from eagle2_core.cycle import Slot
 from eagle2_core.engine import Request
-from eagle2_core.sources import (MATCH_MAX, ContextIndex, DraftSources, RecyclingTable, RowTree, parse_sources, pad_trees,
-                                 tokens_taken)
+from eagle2_core.sources import (MATCH_MAX, ContextIndex, DraftSources, RecyclingTable, RowTree, known_outcomes, parse_sources,
+                                 pad_trees, tokens_taken)
 from eagle2_core.tree import batch_trees
 
 from test_engine import STEP, run_all
@@ -306,3 +306,34 @@ def test_the_tokens_a_tree_would_have_taken_follow_the_targets_emitted_tokens():
             if path[::-1] == emitted[: len(path)] and len(path) <= len(emitted):
                 best = max(best, len(path))
         assert tokens_taken(t, n, emitted) == best + 1
+
+
+def test_a_grown_node_is_judged_wherever_the_emitted_tokens_decide_it():
+    """sources.known_outcomes (the chooser's merged calibration learns from every grown node, not
+    only the verified ones): a node is accepted exactly when its path is the target's tokens,
+    rejected once its path leaves them, and left out where its path follows every emitted token
+    and runs deeper. Against a brute force over random trees."""
+    tree = RowTree(tokens=[0, 5, 6, 7, 8, 9, 3], parents=[-1, 0, 0, 1, 1, 3, 2], scores=[1.0, 0.5, 0.3, 0.2, 0.1, 0.05, 0.04])
+    scores, depths, on = known_outcomes(tree, [5, 7])
+    assert scores == [0.5, 0.3, 0.2, 0.1, 0.04] and depths == [1, 1, 2, 2, 2] and on == [True, False, True, False, False]
+    assert known_outcomes(tree, [5, 7, 9])[2][-2:] == [True, False]  # token 9 below 5, 7 now decided
+    rng = random.Random(1)
+    for _ in range(200):
+        m = rng.randint(1, 9)
+        parents = [-1] + [rng.randrange(i) for i in range(1, m)]
+        tokens = [0] + [rng.randrange(3) for _ in range(1, m)]
+        emitted = [rng.randrange(3) for _ in range(rng.randint(1, 4))]
+        want = []
+        for i in range(1, m):
+            path, j = [], i
+            while j > 0:
+                path.append(tokens[j])
+                j = parents[j]
+            path = path[::-1]
+            k = next((d for d in range(min(len(path), len(emitted))) if path[d] != emitted[d]), None)
+            if k is not None:
+                want.append((i / 10, len(path), False))
+            elif len(path) <= len(emitted):
+                want.append((i / 10, len(path), True))
+        got = known_outcomes(RowTree(tokens=tokens, parents=parents, scores=[i / 10 for i in range(m)]), emitted)
+        assert list(zip(*got)) == want
