@@ -797,6 +797,7 @@ class Cycle:
             busy = [i for i, s in enumerate(self.slots) if s is not None]
             emitted = [None if self.slots[i].procs is not None and self.slots[i].procs.sampling else values[i][2 : 3 + values[i][0]]
                        for i in busy]
+            greedy = all(e is not None for e in emitted)  # the target's tokens decide every grown node's fate
             only_head = self.sources.observe(path.tolist(), [v[0] for v in values], busy, [self.slots[i].summary for i in busy], n,
                                              emitted)
             if self.speculative:
@@ -807,7 +808,7 @@ class Cycle:
                     # 4-bit blocks a second row costs 1.18x the first, and the head's cycles gave
                     # 6.9 ms a token where plain ones gave 6.1 while the gate let it draft)
                     rows_ms = self.policy.rows_ms(free_size, n)
-                    if all(e is not None for e in emitted):
+                    if greedy:
                         # greedy rows: what the head-free tree the gate grew would have produced
                         # is known exactly from the tokens the target emitted, so the head is
                         # credited with everything it changed (its own nodes, and the ranking
@@ -820,7 +821,7 @@ class Cycle:
                     add_to_tally(self.head_tally, made, ms, only_head, head_ms)
         if scores is not None and (self.policy is not None or self.record_confidence):
             known = None
-            if self.policy is not None and self.sources is not None and self.sources.last and all(e is not None for e in emitted):
+            if self.policy is not None and self.sources is not None and self.sources.last and greedy:
                 known = [known_outcomes(self.sources.last[i], e) for i, e in zip(busy, emitted)]
             self._observe(scores, depth, path, [v[0] for v in values], t1 - t0 + tail, t2 - t1, known)
         if self.drafting:

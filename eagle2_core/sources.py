@@ -439,47 +439,34 @@ class DraftSources:
         return only_head
 
 
-def tokens_taken(tree: RowTree, n: int, emitted: list[int]) -> int:
-    """Tokens a greedy cycle would have produced verifying the first `n` nodes of `tree`, given
-    the tokens the target emitted after the root (`emitted`: accepted path plus bonus): one more
-    than the deepest of those nodes whose path the target's tokens follow. Past `emitted` the
-    target's tokens are unknown, so a path that follows all of them counts as far as they go
-    (a lower bound there)."""
-    on = [True] + [False] * (min(n, len(tree.tokens)) - 1)
-    deep = [0] * len(on)
-    best = 0
-    for i in range(1, len(on)):
-        p = tree.parents[i]
-        d = deep[i] = deep[p] + 1
-        on[i] = on[p] and d <= len(emitted) and tree.tokens[i] == emitted[d - 1]
-        if on[i] and d > best:
-            best = d
-    return best + 1
-
-
-def known_outcomes(tree: RowTree, emitted: list[int]) -> tuple[list[float], list[int], list[bool]]:
-    """Every grown node of a greedy row's tree whose fate the emitted tokens decide, verified or
-    not: (scores, depths, accepted). A node is accepted exactly when its path is the target's
-    tokens; it is known to fail once its path leaves them, and unknown where its path follows
-    every emitted token and runs deeper (what the target takes there was never computed)."""
+def on_target(tree: RowTree, emitted: list[int]) -> tuple[list[int], list[int]]:
+    """Each node's fate against the tokens a greedy target emitted after the root (`emitted`:
+    accepted path plus bonus), verified or not, and its depth: 1 where its path is the target's
+    tokens, 0 once its path leaves them, -1 where it follows every emitted token and runs deeper
+    (what the target takes there was never computed)."""
     n = len(tree.tokens)
-    state = [1] + [0] * (n - 1)  # 1 on the target's path, 0 off it, -1 unknown
-    deep = [0] * n
-    scores, depths, on = [], [], []
+    state, deep = [1] + [0] * (n - 1), [0] * n
     for i in range(1, n):
         p = tree.parents[i]
         d = deep[i] = deep[p] + 1
-        if state[p] != 1:
-            state[i] = state[p]
-        elif d > len(emitted):
-            state[i] = -1
-        else:
-            state[i] = int(tree.tokens[i] == emitted[d - 1])
-        if state[i] >= 0:
-            scores.append(tree.scores[i])
-            depths.append(d)
-            on.append(state[i] == 1)
-    return scores, depths, on
+        state[i] = state[p] if state[p] != 1 else (-1 if d > len(emitted) else int(tree.tokens[i] == emitted[d - 1]))
+    return state, deep
+
+
+def tokens_taken(tree: RowTree, n: int, emitted: list[int]) -> int:
+    """Tokens a greedy cycle would have produced verifying the first `n` nodes of `tree`
+    (`on_target`): one more than the deepest of them on the target's path. A path that runs past
+    the emitted tokens counts as far as they go (a lower bound there)."""
+    state, deep = on_target(tree, emitted)
+    return 1 + max((min(deep[i], len(emitted)) for i in range(min(n, len(state))) if state[i] != 0), default=0)
+
+
+def known_outcomes(tree: RowTree, emitted: list[int]) -> tuple[list[float], list[int], list[bool]]:
+    """Every grown node whose fate the emitted tokens decide (`on_target`), verified or not:
+    (scores, depths, accepted)."""
+    state, deep = on_target(tree, emitted)
+    keep = [i for i in range(1, len(state)) if state[i] >= 0]
+    return [tree.scores[i] for i in keep], [deep[i] for i in keep], [state[i] == 1 for i in keep]
 
 
 def node_depths(parents: list[int]) -> list[int]:
