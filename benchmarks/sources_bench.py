@@ -118,6 +118,37 @@ def main() -> None:
             same = d.get("identical")
             print(f"| {name} | {rep} | {m} | {d['tokens_per_s']:.1f} | {over:.2f}x | {d.get('tau', 1.0):.2f} | {same} | {src} |"
                   if over else f"| {name} | {rep} | {m} | {d['tokens_per_s']:.1f} | - | {d.get('tau', 1.0):.2f} | {same} | {src} |")
+    summary(rows)
+
+
+def summary(rows) -> None:
+    """Per set over its repeats: each method's mean speedup over plain and [min, max], and the
+    default (all sources) against the better single source of each repeat: the issue's 'on no
+    set below the better single source beyond the run-to-run spread'."""
+    sets = list(dict.fromkeys(name for name, _, _ in rows))
+    print("\n| set | method | over plain, mean [min, max] | repeats |")
+    print("|---|---|---|---|")
+    verdicts = []
+    for name in sets:
+        runs = [res for n, _, res in rows if n == name]
+        per: dict[str, list[float]] = {}
+        for res in runs:
+            for m, d in res.items():
+                if isinstance(d, dict) and d.get("speedup_over_plain") is not None:
+                    per.setdefault(m, []).append(d["speedup_over_plain"])
+        for m, xs in per.items():
+            print(f"| {name} | {m} | {sum(xs) / len(xs):.3f}x [{min(xs):.3f}, {max(xs):.3f}] | {len(xs)} |")
+        singles = [m for m in per if m.startswith("sources:")]
+        if "eagle2" in per and singles:
+            best = max(singles, key=lambda m: sum(per[m]) / len(per[m]))
+            mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+            ratio = mean(per["eagle2"]) / mean(per[best])
+            inside = mean(per["eagle2"]) >= min(per[best])
+            verdicts.append(f"{name}: eagle2 {mean(per['eagle2']):.3f}x vs the better single source ({best}) "
+                            f"{mean(per[best]):.3f}x [{min(per[best]):.3f}, {max(per[best]):.3f}]: {ratio:.3f}x, "
+                            + ("within or above its spread" if inside else "BELOW its spread"))
+    for v in verdicts:
+        print("\n" + v if v is verdicts[0] else v)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from .accept import accept_greedy_batch, accept_sampling_keyed, position_uniform
 from .budget import HeadGate, TreePolicy, add_to_tally, new_tally
 from .kvcache import KVCache, num_cache_layers
 from .rowgemm import row_linears
-from .sources import DraftSources, known_outcomes, node_depths, pad_trees, tokens_taken
+from .sources import DraftSources, node_depths, pad_trees, tokens_taken
 from .target import TargetRunner, capture_layer_inputs
 from .tree import (additive, batch_trees, causal_rows, chain_choices, choices_to_levels, context_and_tree, rerank_batch, row_tree,
                    static_choices, windowed)
@@ -795,11 +795,14 @@ class Cycle:
             out.append((i, values[i][2 : 3 + a], a))
         if self.sources is not None and self.sources.last:
             busy = [i for i, s in enumerate(self.slots) if s is not None]
-            emitted = [None if self.slots[i].procs is not None and self.slots[i].procs.sampling else values[i][2 : 3 + values[i][0]]
-                       for i in busy]
-            greedy = all(e is not None for e in emitted)  # the target's tokens decide every grown node's fate
-            only_head = self.sources.observe(path.tolist(), [v[0] for v in values], busy, [self.slots[i].summary for i in busy], n,
-                                             emitted)
+            # the tokens each row emitted (accepted + bonus) decide every grown node whose parent is
+            # on them, verified or not: greedy, the target's token after a node is its argmax;
+            # sampling, the keyed rule's draw from the node's p and its position's uniform
+            # (accept.accept_sampling_keyed), which no tree changes. Either way the token the
+            # target took after an accepted node is the next one emitted.
+            emitted = [values[i][2 : 3 + values[i][0]] for i in busy]
+            only_head, known = self.sources.observe(path.tolist(), [v[0] for v in values], busy,
+                                                    [self.slots[i].summary for i in busy], n, emitted)
             if self.speculative:
                 made, ms, head_ms = sum(values[i][0] + 1 for i in busy), 1000 * (t2 - t0 + tail), 1000 * max(0.0, t1 - t0 - self.merge_s - self.gate_s)
                 if gate_bin is not None:
@@ -808,22 +811,21 @@ class Cycle:
                     # 4-bit blocks a second row costs 1.18x the first, and the head's cycles gave
                     # 6.9 ms a token where plain ones gave 6.1 while the gate let it draft)
                     rows_ms = self.policy.rows_ms(free_size, n)
-                    if greedy:
-                        # greedy rows: what the head-free tree the gate grew would have produced
-                        # is known exactly from the tokens the target emitted, so the head is
-                        # credited with everything it changed (its own nodes, and the ranking
-                        # and size its agreement gave the others' nodes), not only the accepted
-                        # nodes it alone proposed (measured: that undercount skipped the head in
-                        # about half the cycles on float32 weights, where it paid)
-                        only_head = made - sum(tokens_taken(free_rows[i], free_size, e) for i, e in zip(busy, emitted))
+                    # what the head-free tree the gate grew would have produced is known from
+                    # the tokens the target emitted, so the head is credited with everything it
+                    # changed (its own nodes, and the ranking and size its agreement gave the
+                    # others' nodes), not only the accepted nodes it alone proposed (measured:
+                    # that undercount skipped the head in about half the cycles on float32
+                    # weights, where it paid)
+                    only_head = made - sum(tokens_taken(free_rows[i], free_size, e) for i, e in zip(busy, emitted))
                     self.gate.record(gate_bin, made, ms, only_head, head_ms + rows_ms)
                 else:
                     add_to_tally(self.head_tally, made, ms, only_head, head_ms)
         if scores is not None and (self.policy is not None or self.record_confidence):
-            known = None
-            if self.policy is not None and self.sources is not None and self.sources.last and greedy:
-                known = [known_outcomes(self.sources.last[i], e) for i, e in zip(busy, emitted)]
-            self._observe(scores, depth, path, [v[0] for v in values], t1 - t0 + tail, t2 - t1, known)
+            merged = None
+            if self.policy is not None and self.sources is not None and self.sources.last and None not in known:
+                merged = known
+            self._observe(scores, depth, path, [v[0] for v in values], t1 - t0 + tail, t2 - t1, merged)
         if self.drafting:
             self.tail_s = time.perf_counter() - t2
         return out
@@ -857,8 +859,8 @@ class Cycle:
     def _observe(self, scores, depth, path, accepted: list[int], draft_s: float, verify_s: float, known=None) -> None:
         """Calibration evidence (section 3): each drafted node's path probability and whether it
         was accepted, for the chooser's per-bin correction and compare's calibration table.
-        `known`: for a merged tree whose rows all decode greedily, every grown node whose fate the
-        emitted tokens decide (sources.known_outcomes, per busy row), verified or not."""
+        `known`: for a merged tree, every grown node whose fate the emitted tokens decide
+        (sources.known_outcomes, per busy row), verified or not."""
         busy = [i for i, s in enumerate(self.slots) if s is not None]
         # paths are padded with the root (column 0, dropped below), so one scatter marks each row's path
         on = torch.zeros(len(busy), scores.shape[1], dtype=torch.float, device=scores.device).scatter_(1, path[busy], 1.0)

@@ -387,46 +387,46 @@ class DraftSources:
         return RowTree(tokens, parents, scores, proposers, head_raw, states)
 
     def observe(self, path: list[list[int]], accepted: list[int], rows: list[int], summaries, verified: int,
-                emitted: list[list[int]] | None = None) -> int:
+                emitted: list[list[int]]) -> tuple[int, list]:
         """A verified cycle: per busy row its accepted path (node indices, root first) and count;
         `verified`: how many of each tree's best-first nodes went through the target (the budget's
-        size); `emitted`: per busy row the tokens it produced (accepted + the bonus), None where the
-        row sampled.
+        size); `emitted`: per busy row the tokens it produced (accepted + the bonus).
 
-        Each proposer of a node whose parent was accepted learns whether the node was. A node past
-        the verified size was never checked; where the row decodes greedily its outcome is known
-        all the same: the target's token after an accepted node is the next one emitted, so the
-        node would have been accepted exactly when its token is that one. Counting such a node as
-        rejected (as if verified) taught the calibration that the nodes the budget left out fail,
-        which is what the budget reads to leave them out (section 3's estimate, biased by its own
-        choice). A sampled row learns from verified nodes only. The summaries (events.Summary)
-        count verified nodes, accepted nodes and calibration per source.
-        Returns how many accepted nodes exist because of the head: those it alone proposed and
-        the accepted nodes below them (what it adds to the others)."""
-        only_head = 0
+        Every grown node whose parent is on the target's path learns whether it is too, verified
+        or not (`on_target`): the target's token after a node on its path is the next one emitted
+        (greedy: the argmax; sampling: the keyed rule's draw from the node's p and its position's
+        uniform, which no tree changes), so the node would have been accepted exactly when its
+        token is that one. Learning from verified nodes only, or counting the rest as rejected,
+        taught the calibration that the nodes the budget left out fail, which is what the budget
+        reads to leave them out (section 3's estimate, biased by its own choice). The summaries
+        (events.Summary) count verified nodes, accepted nodes and calibration per source.
+        Returns (how many accepted nodes exist because of the head: those it alone proposed and
+        the accepted nodes below them, what it adds to the others; per busy row its
+        `known_outcomes`, for the merged calibration the budget sizes trees on, or None)."""
+        only_head, known = 0, []
         for j, (b, summary) in enumerate(zip(rows, summaries)):
             tree = self.last[b] if b < len(self.last) else None
             if tree is None:
+                known.append(None)
                 continue
-            deep = node_depths(tree.parents)
-            acc = path[b][: accepted[b] + 1]
-            on = set(acc)
-            after = None  # accepted node -> the target's next token after it (greedy rows)
-            if emitted is not None and emitted[j] is not None:
-                after = dict(zip(acc, emitted[j]))
-            upto = len(tree.tokens) if after is not None else min(verified, len(tree.tokens))
+            fate, deep = on_target(tree, emitted[j])
+            known.append(known_outcomes(tree, emitted[j], (fate, deep)))
             # what the head adds: accepted nodes only it proposed, and the accepted nodes below
             # them (the others' extensions of a node only the head proposed exist because of it)
             owed = False
-            for i in acc[1:]:
+            for i in path[b][1 : accepted[b] + 1]:
                 if i >= len(tree.tokens):  # a padding node (pad_trees) the target happened to take: no source's
                     break
                 owed = owed or all(src == "head" for src, _, _ in tree.proposers[i])
                 only_head += owed
-            for i in range(1, upto):
+            for i in range(1, len(tree.tokens)):
                 checked = i < verified
-                conditional = tree.parents[i] in on
-                got = i in on if checked else (conditional and after.get(tree.parents[i]) == tree.tokens[i])
+                # the parent is (or, unverified, would have been) accepted and the target's token
+                # after it is known: the conditional outcome each proposer is calibrated on
+                conditional = fate[tree.parents[i]] == 1 and fate[i] >= 0
+                if not (conditional or checked):
+                    continue
+                got = fate[i] == 1
                 agreed = tree.states[i] if i < len(tree.states) else ()
                 for k, (src, bn, pred) in enumerate(tree.proposers[i]):
                     if conditional and src in self.cal:
@@ -436,12 +436,13 @@ class DraftSources:
                         self.agree.add(src, state, deep[i], c0, got)
                     if summary is not None and checked:
                         summary.record_source(src, got, pred if conditional else None)
-        return only_head
+        return only_head, known
 
 
 def on_target(tree: RowTree, emitted: list[int]) -> tuple[list[int], list[int]]:
-    """Each node's fate against the tokens a greedy target emitted after the root (`emitted`:
-    accepted path plus bonus), verified or not, and its depth: 1 where its path is the target's
+    """Each node's fate against the tokens the target emitted after the root (`emitted`: accepted
+    path plus bonus; greedy or under the keyed sampling rule, the token the target takes after a
+    node depends on the node's path alone), verified or not, and its depth: 1 where its path is the target's
     tokens, 0 once its path leaves them, -1 where it follows every emitted token and runs deeper
     (what the target takes there was never computed)."""
     n = len(tree.tokens)
@@ -454,17 +455,17 @@ def on_target(tree: RowTree, emitted: list[int]) -> tuple[list[int], list[int]]:
 
 
 def tokens_taken(tree: RowTree, n: int, emitted: list[int]) -> int:
-    """Tokens a greedy cycle would have produced verifying the first `n` nodes of `tree`
+    """Tokens a cycle would have produced verifying the first `n` nodes of `tree`
     (`on_target`): one more than the deepest of them on the target's path. A path that runs past
     the emitted tokens counts as far as they go (a lower bound there)."""
     state, deep = on_target(tree, emitted)
     return 1 + max((min(deep[i], len(emitted)) for i in range(min(n, len(state))) if state[i] != 0), default=0)
 
 
-def known_outcomes(tree: RowTree, emitted: list[int]) -> tuple[list[float], list[int], list[bool]]:
-    """Every grown node whose fate the emitted tokens decide (`on_target`), verified or not:
-    (scores, depths, accepted)."""
-    state, deep = on_target(tree, emitted)
+def known_outcomes(tree: RowTree, emitted: list[int], fate=None) -> tuple[list[float], list[int], list[bool]]:
+    """Every grown node whose fate the emitted tokens decide (`on_target`, or its result `fate`),
+    verified or not: (scores, depths, accepted)."""
+    state, deep = fate or on_target(tree, emitted)
     keep = [i for i in range(1, len(state)) if state[i] >= 0]
     return [tree.scores[i] for i in keep], [deep[i] for i in keep], [state[i] == 1 for i in keep]
 

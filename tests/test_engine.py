@@ -702,12 +702,25 @@ def test_a_stopped_head_catches_up_when_tried_again(tiny_lm, fitted_head, monkey
     assert again[1][0] == reference(model, ids[:2], 30, ())
 
 
-def test_the_gate_credits_the_head_with_what_the_head_free_tree_would_not_have_made(tiny_lm, fitted_head, monkeypatch):
-    """A head cycle's evidence for budget.HeadGate (greedy rows): the head made what the cycle
-    produced minus what the head-free tree the gate grew first would have produced at its own
-    size, read off the tokens the target emitted (sources.tokens_taken), so its agreement's
-    effect on the others' nodes counts too. Checked against the target's own greedy
-    continuation at every head cycle of a run."""
+def continuation(model, head, ids: list[int], n: int, sampled: bool) -> tuple[list[int], GenerationSettings]:
+    """The target's own next `n` tokens after `ids` and the settings that give them: greedy
+    (`generate`), or a seeded sample decoded plainly (the keyed rule makes every tree's answer
+    this one)."""
+    if not sampled:
+        return reference(model, ids, n, ()), GenerationSettings(eos_token_ids=())
+    g = GenerationSettings(max_new_tokens=n, temperature=0.7, seed=11, eos_token_ids=())
+    return run_all(make_engine(model, head, "plain", 1), [Request(0, ids, g)])[0][0], g
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_the_gate_credits_the_head_with_what_the_head_free_tree_would_not_have_made(tiny_lm, fitted_head, monkeypatch,
+                                                                                    sampled):
+    """A head cycle's evidence for budget.HeadGate: the head made what the cycle produced minus
+    what the head-free tree the gate grew first would have produced at its own size, read off
+    the tokens the target emitted (sources.tokens_taken), so its agreement's effect on the
+    others' nodes counts too. Checked against the target's own continuation at every head cycle
+    of a run, greedy and sampled (under the keyed rule the target's token after a node is fixed
+    by its path and position, whatever was verified)."""
     from eagle2_core import cycle as cycle_mod
     from eagle2_core.budget import HeadGate
     from eagle2_core.sources import tokens_taken
@@ -715,7 +728,7 @@ def test_the_gate_credits_the_head_with_what_the_head_free_tree_would_not_have_m
     env = make_env("llama", tiny_lm, fitted_head)
     model, head = env["model"], env["head"]
     ids, n_new = [3, 1, 4, 1, 5], 40
-    ref = reference(model, ids, n_new + 12, ())
+    ref, g = continuation(model, head, ids, n_new + 12, sampled)
     free, seen = [], []
     grow = cycle_mod.Cycle._grow_rows
 
@@ -729,7 +742,7 @@ def test_the_gate_credits_the_head_with_what_the_head_free_tree_would_not_have_m
     monkeypatch.setattr(HeadGate, "wants", lambda self, b: True)
     monkeypatch.setattr(HeadGate, "record", lambda self, b, made, ms, head_tokens, head_ms: seen.append((free[-1], made, head_tokens)))
     engine = make_engine(model, head, "mixed", 1)
-    out = run_all(engine, [Request(0, ids, GenerationSettings(max_new_tokens=n_new, eos_token_ids=()))])
+    out = run_all(engine, [Request(0, ids, dataclasses.replace(g, max_new_tokens=n_new))])
     assert out[0][0] == ref[:n_new]
     assert len(seen) >= 5
     exact = 0
@@ -742,18 +755,19 @@ def test_the_gate_credits_the_head_with_what_the_head_free_tree_would_not_have_m
     assert exact >= len(seen) // 2
 
 
-def test_the_merged_calibration_learns_from_every_grown_node_the_target_decided(tiny_lm, fitted_head, monkeypatch):
-    """The merged trees' calibration (what the budget sizes a tree on) counts, on greedy rows,
-    every grown node whose fate the emitted tokens decide, verified or not: per cycle the nodes
-    whose path is the target's tokens as accepted, those whose path leaves them as rejected.
-    Checked against the target's own greedy continuation; from the verified nodes alone the
-    counts would stop growing wherever the budget verifies little."""
+@pytest.mark.parametrize("sampled", [False, True])
+def test_the_merged_calibration_learns_from_every_grown_node_the_target_decided(tiny_lm, fitted_head, monkeypatch, sampled):
+    """The merged trees' calibration (what the budget sizes a tree on) counts every grown node
+    whose fate the emitted tokens decide, verified or not: per cycle the nodes whose path is the
+    target's tokens as accepted, those whose path leaves them as rejected. Checked against the
+    target's own continuation, greedy and sampled; from the verified nodes alone the counts
+    would stop growing wherever the budget verifies little."""
     from eagle2_core import cycle as cycle_mod
 
     env = make_env("llama", tiny_lm, fitted_head)
     model, head = env["model"], env["head"]
     ids, n_new = [3, 1, 4, 1, 5], 40
-    ref = reference(model, ids, n_new + 12, ())
+    ref, g = continuation(model, head, ids, n_new + 12, sampled)
     seen = []
     observe = cycle_mod.Cycle._observe
 
@@ -763,7 +777,7 @@ def test_the_merged_calibration_learns_from_every_grown_node_the_target_decided(
 
     monkeypatch.setattr(cycle_mod.Cycle, "_observe", spy)
     engine = make_engine(model, head, "mixed", 1)
-    out = run_all(engine, [Request(0, ids, GenerationSettings(max_new_tokens=n_new, eos_token_ids=()))])
+    out = run_all(engine, [Request(0, ids, dataclasses.replace(g, max_new_tokens=n_new))])
     assert out[0][0] == ref[:n_new]
     nodes = accepted = verified = 0
     for tree, pos, made, n in seen:
@@ -791,7 +805,7 @@ def test_the_gate_skips_the_head_for_some_cycles_and_it_catches_up(tiny_lm, fitt
     the text is the target's, each skipped stretch is absorbed by the head's next draft, and the
     kept sequence (a chat's next turn reuses it) holds every head cell but the last pair's, the
     cells a head that never skipped holds. The same run's next request drafts with the head."""
-    from eagle2_core.budget import HeadGate
+    from eagle2_core.budget import BudgetChooser, HeadGate
     from eagle2_core.prefix import PrefixCache
 
     env = make_env(name, tiny_lm, fitted_head)
@@ -802,6 +816,8 @@ def test_the_gate_skips_the_head_for_some_cycles_and_it_catches_up(tiny_lm, fitt
 
     def run(pin: bool, monkeypatch):
         monkeypatch.setattr(HeadGate, "wants", lambda self, b: asked.append(len(asked) in (0, 3, 6) or not pin) or asked[-1])
+        # drafting as a whole is judged on measured times: pinned, so a loaded machine cannot stop it
+        monkeypatch.setattr(BudgetChooser, "drafting_pays", property(lambda self: True))
         engine = make_engine(model, head, "mixed", 1, prefix_cache=PrefixCache(64))
         gen = GenerationSettings(max_new_tokens=30, eos_token_ids=())
         out = run_all(engine, [Request(0, ids, gen, keep=True)])

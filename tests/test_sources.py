@@ -118,9 +118,9 @@ def test_calibration_follows_what_verification_did():
 
 def test_nodes_the_budget_left_out_are_judged_by_what_the_target_emitted():
     """A tree grown to 5 nodes of which the budget verified 3: the calibration of a node past the
-    verified size learns from the target's own next token (greedy: what was emitted after its
-    accepted parent), not as a rejection; a sampled row learns from verified nodes only; the
-    summary counts verified nodes only."""
+    verified size learns from the target's own next token (what was emitted after its accepted
+    parent: greedy, and sampled under the keyed rule alike), not as a rejection; a node whose
+    parent's outcome is unknown teaches nothing; the summary counts verified nodes only."""
     from eagle2_core.events import Summary
     from eagle2_core.sources import RowTree
 
@@ -143,8 +143,11 @@ def test_nodes_the_budget_left_out_are_judged_by_what_the_target_emitted():
     assert counts(src) == (4, 2)  # nodes 1, 2 verified (1 accepted); 3 would have been (5 after 3); 4 would not (3 came)
     assert summary.source_counts["recycle"]["nodes"] == 2 and summary.source_counts["recycle"]["accepted"] == 1
     src = fresh()
-    src.observe(path, [1], [0], [None], 3, [None])  # a sampled row: the two verified nodes only
-    assert counts(src) == (2, 1)
+    src.observe(path, [1], [0], [None], 3, [[3, 7]])  # the target took 7 after 3: node 3 rejected
+    assert counts(src) == (4, 1)
+    src = fresh()
+    src.observe([[0, 0, 0]], [0], [0], [None], 3, [[6]])  # nothing accepted, the target took 6: node 4 (6) would have been
+    assert counts(src) == (3, 1)  # nodes 1, 2, 4; node 3 sits under a rejected node (no conditional outcome)
 
 
 def test_what_the_head_adds_counts_the_nodes_below_its_own():
@@ -160,9 +163,9 @@ def test_what_the_head_adds_counts_the_nodes_below_its_own():
     tree = RowTree([7, 3, 4, 5, 6, 8], [-1, 0, 1, 2, 3, 0], [1.0, 0.6, 0.4, 0.35, 0.3, 0.2],
                    [[], both, head, match, match, head], [None] * 6)
     src.last = [tree]
-    assert src.observe([[0, 1, 2, 3, 4]], [4], [0], [None], 6, [[3, 4, 5, 6, 9]]) == 3  # 4, then 5 and 6 below it
-    assert src.observe([[0, 1, 0, 0, 0]], [1], [0], [None], 6, [[3, 9]]) == 0
-    assert src.observe([[0, 5, 0, 0, 0]], [1], [0], [None], 6, [[8, 9]]) == 1
+    assert src.observe([[0, 1, 2, 3, 4]], [4], [0], [None], 6, [[3, 4, 5, 6, 9]])[0] == 3  # 4, then 5 and 6 below it
+    assert src.observe([[0, 1, 0, 0, 0]], [1], [0], [None], 6, [[3, 9]])[0] == 0
+    assert src.observe([[0, 5, 0, 0, 0]], [1], [0], [None], 6, [[8, 9]])[0] == 1
 
 
 def test_parse_sources():
