@@ -121,7 +121,9 @@ def compare(vanilla, input_path, dataset, limit, against, plain, assistant, json
     tokens over total time, and the mean of per-prompt ratios), tau, acceptance by depth and, at
     temperature 0, how many outputs are identical; for each that differs, the target's logit gap
     at the first differing token and whether rounding explains it (a near-tie), or not: then it
-    is a bug, said in red, and the exit status is 1. Without -f or --dataset, a built-in short set.
+    is a bug, said in red, and the exit status is 1. Sampling with --seed, eagle2's methods are
+    checked against its plain decoding (one uniform per output position, whatever the trees).
+    Without -f or --dataset, a built-in short set.
     Greedy unless --temperature is given, even where the model's generation_config samples; its
     other settings (repetition penalty, ...) run on both sides, and the title and --json say which.
     """
@@ -195,7 +197,7 @@ def compare(vanilla, input_path, dataset, limit, against, plain, assistant, json
     if json_path == "-":
         out = err  # stdout carries the JSON
     print_compare(out, comp, title)
-    if comp.greedy and comp.reference:
+    if comp.reference:
         for name in methods:
             for item, i in comp.differences(name):
                 d = comp.divergences.get(name, {}).get(str(item.id))
@@ -205,8 +207,11 @@ def compare(vanilla, input_path, dataset, limit, against, plain, assistant, json
                 else:
                     out.print(f"{line}: {divergence_text(d, rt.decode)}", style="yellow" if d.near_tie else "bold red",
                               markup=False, soft_wrap=True, highlight=False)
-    elif vanilla:
-        out.print("[dim]sampling: outputs are not expected to match token for token (same distribution, different draws)[/]")
+    if not comp.greedy and vanilla:
+        out.print("[dim]sampling: generate's outputs are not expected to match eagle2's token for token (same distribution, "
+                  "different draws)" + ("; eagle2's methods are checked against its plain decoding (one uniform per "
+                                        "position under --seed)" if comp.reference else "; with --seed, eagle2's methods "
+                                        "are checked against its plain decoding") + "[/]")
     if line := step_times_line(comp):
         out.print(line, soft_wrap=True, highlight=False)
     if line := calibration_line(comp):

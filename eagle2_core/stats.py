@@ -131,17 +131,29 @@ class Comparison:
 
     @property
     def reference(self) -> str | None:
-        """What outputs are checked against: the baseline (`generate`), or where none ran,
+        """What outputs are checked against. Greedy: the baseline (`generate`), or where none ran,
         eagle2's own plain decoding (`compare --no-vanilla`: a sweep still checks that speculation
-        changed no answer)."""
-        if self.baseline and self.baseline in self.runs:
-            return self.baseline
-        return PLAIN if PLAIN in self.runs else None
+        changed no answer). Sampling with a seed: eagle2's plain decoding, since every eagle2
+        decoder draws a token from one uniform per output position (accept.accept_sampling_keyed),
+        so a seeded answer is the same whatever the trees; `generate` draws differently. Unseeded
+        sampling: nothing (each answer draws its own seed)."""
+        if self.greedy:
+            if self.baseline and self.baseline in self.runs:
+                return self.baseline
+            return PLAIN if PLAIN in self.runs else None
+        return PLAIN if PLAIN in self.runs and self.gen.seed is not None else None
+
+    def checked(self, name: str) -> bool:
+        """Whether `name`'s outputs are expected to equal the reference's: greedy, every method;
+        seeded sampling, eagle2's own decoders (not `generate` or HF's assisted decoding)."""
+        if not self.reference or name == self.reference:
+            return False
+        return self.greedy or self.runs[name].backend_used is not None
 
     def differences(self, name: str) -> list[tuple[PromptItem, int]]:
         """(item, first differing token index) for outputs that differ from the reference's."""
         ref = self.reference
-        if not ref or name == ref:
+        if not self.checked(name):
             return []
         out = []
         for item, a, b in zip(self.items, self.runs[name].outputs, self.runs[ref].outputs):
@@ -151,9 +163,9 @@ class Comparison:
         return out
 
     def identical(self, name: str) -> int | None:
-        """How many outputs equal the reference's; None when sampling (not expected to match), for
-        the reference itself, or with nothing to check against."""
-        if not self.greedy or not self.reference or name == self.reference:
+        """How many outputs equal the reference's; None where they are not expected to (`checked`):
+        the reference itself, unseeded sampling, `generate` under sampling, nothing to check against."""
+        if not self.checked(name):
             return None
         return len(self.items) - len(self.differences(name))
 
@@ -207,7 +219,7 @@ class Comparison:
                      identical=self.identical(name))
             if (op := self.over_plain(name)) is not None:
                 d["speedup_over_plain"] = round(op, 4)
-            diffs = self.differences(name) if self.greedy else []
+            diffs = self.differences(name)
             if diffs:
                 d["first_difference"] = {str(item.id): i for item, i in diffs}
             if self.divergences.get(name):  # each difference's logit gap and near-tie verdict
@@ -223,7 +235,7 @@ class Comparison:
         out = {
             "prompts": len(self.items),
             "identical": self.identical(main),
-            "identical_to": self.reference if self.greedy else None,
+            "identical_to": self.reference,
             "speedup": None if self.speedup(main) is None else round(self.speedup(main), 4),
             "speedup_mean_ratio": None if self.mean_speedup(main) is None else round(self.mean_speedup(main), 4),
             "greedy": self.greedy,

@@ -49,6 +49,25 @@ def test_compare_json_keys(tmp_path, tiny_model_dir, tiny_head_dir):
     assert [p["question_id"] for p in d["per_prompt"]] == [81, 82]
 
 
+def test_compare_checks_seeded_samples_against_its_plain_decoding(tmp_path, tiny_model_dir, tiny_head_dir):
+    """Sampling with --seed: every eagle2 decoder draws token t from the uniform of (seed, t)
+    (accept.accept_sampling_keyed), so its answers equal eagle2's plain decoding's, trees and
+    batches whatever; `generate` draws otherwise and is not checked. Without --seed nothing is."""
+    out = tmp_path / "c.json"
+    args = ["compare", "--vanilla", "--dataset", "mt-bench", "--limit", "3", "--warmup-tokens", "0", "-t", "0.9",
+            "--against", "static,batch:2x3"] + model_args(tiny_model_dir, tiny_head_dir, n=10)
+    r = CliRunner().invoke(cli, args + ["--seed", "7", "--json", str(out)])
+    assert r.exit_code == 0, r.output + r.stderr
+    d = json.loads(out.read_text())
+    assert d["greedy"] is False and d["identical_to"] == "plain"
+    assert d["identical"] == 3 and d["static"]["identical"] == 3 and d["batch:2x3"]["identical"] == 3
+    assert d["plain"]["identical"] is None and "same as" in r.stdout and "3/3" in r.stdout
+    r = CliRunner().invoke(cli, args + ["--json", str(out)])
+    assert r.exit_code == 0, r.output + r.stderr
+    d = json.loads(out.read_text())
+    assert d["identical_to"] is None and d["identical"] is None and "--seed" in r.stdout
+
+
 def test_compare_builtin_set_json_to_stdout(tiny_model_dir, tiny_head_dir):
     r = CliRunner().invoke(cli, ["compare", "--limit", "1", "--json", "-", "--warmup-tokens", "0", "--no-plain"]
                            + model_args(tiny_model_dir, tiny_head_dir, 2))

@@ -177,6 +177,17 @@ def test_without_generate_outputs_are_checked_against_our_plain_decoding():
     with_generate = Comparison(items, {"vanilla": MethodRun("vanilla", runs["plain"].summaries, [[1, 2, 3], [4, 6]], speculative=False),
                                        **runs}, GenerationSettings())
     assert with_generate.reference == "vanilla" and with_generate.identical("eagle2") == 2 and with_generate.identical("plain") == 1
+    # seeded sampling: eagle2's decoders against its plain decoding (one uniform per position);
+    # generate, or a decoder that is not eagle2's (no backend), is not expected to match
+    for r in runs.values():
+        r.backend_used = "eager"
+    sampled = Comparison(items, {"vanilla": with_generate.runs["vanilla"], **runs}, GenerationSettings(temperature=0.8, seed=3))
+    assert sampled.reference == "plain" and sampled.identical("eagle2") == 1 and sampled.identical("tree:4/2/2") == 2
+    assert sampled.identical("vanilla") is None and sampled.identical("plain") is None
+    runs["tree:4/2/2"].backend_used = None
+    assert sampled.identical("tree:4/2/2") is None
+    unseeded = Comparison(items, runs, GenerationSettings(temperature=0.8), baseline=None)
+    assert unseeded.reference is None and unseeded.identical("eagle2") is None and unseeded.to_json()["identical_to"] is None
 
 def test_vendored_datasets():
     mt = dataset_items("mt-bench")
