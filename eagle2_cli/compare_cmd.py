@@ -73,13 +73,14 @@ def source_lines(comp) -> list[str]:
     return lines
 
 
-def divergence_text(d, decode) -> str:
-    """A difference's logit gap and verdict (divergence.py), for the line under the table."""
+def divergence_text(d, decode, reference: str = "vanilla") -> str:
+    """A difference's logit gap and verdict (divergence.py), for the line under the table;
+    `reference`: the method whose token is the expected one."""
     if d.gap is None:
         return f"{d.note}; NOT a near-tie: a bug in eagle2, please report it"
     tok = lambda t: repr(decode([t]))  # noqa: E731
     f32 = f", {d.gap_float32:.3g} in float32" if d.gap_float32 is not None and d.dtype != "float32" else ""
-    text = (f"the target's scores for {tok(d.expected)} (vanilla) and {tok(d.got)} differ by {d.gap:.3g} in {d.dtype}{f32}; "
+    text = (f"the target's scores for {tok(d.expected)} ({reference}) and {tok(d.got)} differ by {d.gap:.3g} in {d.dtype}{f32}; "
             f"rounding there moves them by up to {d.tolerance:.3g}")
     if d.near_tie:
         return f"{text}: a near-tie, rounding decides it"
@@ -205,7 +206,7 @@ def compare(vanilla, input_path, dataset, limit, against, plain, assistant, json
                 if d is None:
                     out.print(line, style="yellow", markup=False, soft_wrap=True)
                 else:
-                    out.print(f"{line}: {divergence_text(d, rt.decode)}", style="yellow" if d.near_tie else "bold red",
+                    out.print(f"{line}: {divergence_text(d, rt.decode, comp.reference)}", style="yellow" if d.near_tie else "bold red",
                               markup=False, soft_wrap=True, highlight=False)
     if not comp.greedy and vanilla:
         out.print("[dim]sampling: generate's outputs are not expected to match eagle2's token for token (same distribution, "

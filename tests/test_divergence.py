@@ -124,6 +124,7 @@ def test_cli_lines_say_near_tie_or_bug():
     assert "'<10>' (vanilla) and '<11>' differ by 0.125 in bfloat16, 0.01 in float32" in divergence_text(tie, decode)
     assert divergence_text(tie, decode).endswith("a near-tie, rounding decides it")
     assert "NOT a near-tie, a bug" in divergence_text(bug, decode) and "in float32;" in divergence_text(bug, decode)
+    assert "'<10>' (plain) and" in divergence_text(tie, decode, "plain")  # compare --no-vanilla checks against plain
 
 
 def test_the_tolerance_reads_eagle2s_own_kernels(monkeypatch):
