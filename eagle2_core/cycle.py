@@ -793,6 +793,7 @@ class Cycle:
             self.host_len[i] += a + 1
             s.summary.record_cycle(a, n, deepest, t1 - t0, t2 - t1)
             out.append((i, values[i][2 : 3 + a], a))
+        known = None  # merged trees: per busy row every grown node the emitted tokens decide
         if self.sources is not None and self.sources.last:
             busy = [i for i, s in enumerate(self.slots) if s is not None]
             # the tokens each row emitted (accepted + bonus) decide every grown node whose parent is
@@ -822,9 +823,7 @@ class Cycle:
                 else:
                     add_to_tally(self.head_tally, made, ms, only_head, head_ms)
         if scores is not None and (self.policy is not None or self.record_confidence):
-            merged = None
-            if self.policy is not None and self.sources is not None and self.sources.last and None not in known:
-                merged = known
+            merged = known if self.policy is not None and known is not None and None not in known else None
             self._observe(scores, depth, path, [v[0] for v in values], t1 - t0 + tail, t2 - t1, merged)
         if self.drafting:
             self.tail_s = time.perf_counter() - t2
