@@ -428,6 +428,29 @@ def test_the_head_gate_judges_each_bin_of_the_head_free_trees_worth():
     assert g.tallies[high]["cycles"] == g.window and g.wants(high)
 
 
+def test_the_head_gate_judges_a_bin_with_every_bins_evidence_behind_it():
+    """HeadGate.judged: a bin whose first `patience` head cycles happened to owe the head nothing
+    keeps drafting where the other bins show the head paying (their pooled evidence stands behind
+    it as `patience` pseudo-cycles); a window of its own such cycles outweighs them and the bin
+    skips. Without other bins' evidence a bin is judged on its own."""
+    from eagle2_core.budget import HeadGate
+
+    g = HeadGate(patience=8, explore=100)
+    low, mid = g.bin(1.1), g.bin(1.8)
+    for _ in range(24):
+        g.record(low, 2.0, 20.0, 0.6, 2.0)   # 0.1 tok/ms with the head, 1.4 / 18 = 0.078 without
+    for _ in range(8):
+        g.record(mid, 2.0, 20.0, 0.0, 2.0)   # by chance nothing owed to the head here
+    assert g.wants(mid)
+    for _ in range(g.window):
+        g.record(mid, 2.0, 20.0, 0.0, 2.0)
+    assert not g.wants(mid)
+    alone = HeadGate(patience=8, explore=100)
+    for _ in range(8):
+        alone.record(mid, 2.0, 20.0, 0.0, 2.0)
+    assert not alone.wants(mid)
+
+
 def test_the_choosers_host_arrays_compute_the_tensor_functions():
     """The chooser runs its per-cycle choices on arrays (budget.py: several times a cycle over a
     few dozen numbers); they are the pure tensor functions: its size for the head's raw

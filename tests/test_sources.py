@@ -241,11 +241,33 @@ def test_agreement_corrects_a_candidate_by_what_the_other_sources_said():
         src.agree.add("recycle", AGAINST, 1, c4, False)
         src.agree.add("recycle", WITH, 1, c4, True)
     got = root_scores(src.grow_row(slot, 5, cap=16))
-    assert got[4] < 0.1 * before[4] and got[3] >= before[3]
+    assert got.get(4, 0.0) < 0.1 * before[4] and got[3] >= before[3]  # ranked below the cap, or far down
     alone = DraftSources(("recycle",), vocab=20)
     alone.table = src.table
     lone = alone.grow_row(_slot([1, 5], []), 5, cap=3)
     assert all(s == ALONE for st in lone.states[1:] for s, _ in st)
+
+
+def test_agreement_pools_thin_evidence_by_state_then_depth():
+    """sources.Agreement.table: evidence spread over many (depth, bin) cells of one state, where
+    tokens were accepted at half their prediction, moves a cell that saw none of it to about half
+    (each level shrunk toward the one above: state, then depth, then bin), not to 1 (a cell shrunk
+    toward 1 alone stayed near 1 after a chat's worth of cycles); a state with no evidence stays
+    at 1, and a cell's own ample evidence still decides it."""
+    from eagle2_core.sources import AGAINST, WITH, Agreement
+
+    ag = Agreement()
+    rng = random.Random(3)
+    for b in range(1, 10):  # depth 1, bins 1..9: 40 candidates each, accepted at half their conditional
+        c = (b + 0.5) / 10
+        for _ in range(40):
+            ag.add("recycle", AGAINST, 1, c, rng.random() < 0.5 * c)
+    pooled = ag.factor("recycle", AGAINST, 3, 0.05)  # depth 3, bin 0: no evidence of its own
+    assert 0.35 < pooled < 0.65
+    assert ag.factor("recycle", WITH, 2, 0.55) == 1.0 and ag.factor("match", AGAINST, 1, 0.55) == 1.0
+    for _ in range(400):  # ample evidence in one cell that its tokens pass at their prediction
+        ag.add("recycle", AGAINST, 2, 0.95, True)
+    assert ag.factor("recycle", AGAINST, 2, 0.95) > 0.95
 
 
 def test_growth_stops_where_no_larger_tree_can_pay():
