@@ -190,9 +190,9 @@ class HeadGate:
     head drafts a cycle where, in its bin (every bin's evidence behind it: `judged`), the cycles it
     drafted gave more tokens per ms than they would have without its steps and its own accepted
     nodes. A bin that does not pay still drafts one cycle in `explore + 1` (its evidence would
-    otherwise never change); every bin starts on
-    (`patience` cycles before it is judged), and keeps about its last `window` cycles. Only which
-    nodes are drafted changes: the output stays the target's."""
+    otherwise never change); every bin starts on (`patience` cycles before it is judged), and
+    keeps about its last `window` cycles. Only which nodes are drafted changes: the output stays
+    the target's."""
 
     EDGES = (1.3, 1.6, 2.0, 2.6, 3.5)  # expected tokens of the head-free tree: bins of room left for the head
 

@@ -106,8 +106,8 @@ class Agreement:
     predicted): a token one source proposed beside another source's different token 0.43-0.71,
     one two sources proposed 1.29-1.76. Per (source, agreement, depth 1 / 2 / 3+, bin of the
     conditional): accepted over predicted, shrunk toward the same ratio over the agreement state
-    and depth (`table`), a factor on the conditional (1 with no evidence). (What selection does to whole path scores is corrected where
-    the tree is sized: budget.calibrate_by_depth.)"""
+    and depth (`table`), a factor on the conditional (1 with no evidence). (What selection does
+    to whole path scores is corrected where the tree is sized: budget.calibrate_by_depth.)"""
 
     DEPTHS = 3
 
