@@ -29,6 +29,7 @@ class CommonOptions:
     load_in_8bit: bool
     load_in_4bit: bool
     trust_remote_code: bool
+    exact: bool
     temperature: float | None   # None: the model's generation_config (sampling.settings_from_model)
     top_p: float | None
     top_k: int | None
@@ -77,7 +78,7 @@ class CommonOptions:
                               trust_remote_code=self.trust_remote_code, tree=self.tree_overrides(),
                               gen_overrides=self.generation_overrides(), use_generation_config=self.generation_config,
                               sample_by_default=sample_by_default, system_prompt=self.system_prompt, chat_template=template,
-                              need_head=need_head, compile=self.compile, draft_sources=self.draft_sources)
+                              need_head=need_head, compile=self.compile, draft_sources=self.draft_sources, exact=self.exact)
         for line in rt.notices if console is not None else ():
             console.print(f"[yellow]note:[/] {line}", markup=True, highlight=False, soft_wrap=True)
         if need_head and rt.head_is_random and console is not None:
@@ -167,6 +168,9 @@ def _options(max_new_tokens: int):
         o("--load-in-4bit", is_flag=True, help="Quantize the target to 4 bits: on a CPU eagle2's Q4_0 blocks "
           "(32 values, an fp16 scale), on a GPU bitsandbytes."),
         o("--trust-remote-code", is_flag=True, help="Allow custom modelling code from the hub."),
+        o("--exact", is_flag=True, envvar="EAGLE2_EXACT", help="On a CPU target held as blocks (GGUF, --load-in-8bit/4bit): "
+          "multiply in float32, bitwise the dequantized float32 model, instead of the default int8 activations "
+          "(several times cheaper per verify row; speculation stays bitwise equal to plain decoding in either)."),
         o("--temperature", "-t", type=FiniteFloat(min=0), default=None,
           help="Sampling temperature; 0 = greedy. [default: the model's generation_config, else greedy; compare: greedy]"),
         o("--top-p", type=FiniteFloat(0, 1, min_open=True), default=None, help="Nucleus sampling; 1 = off. [default: the model's]"),

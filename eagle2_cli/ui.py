@@ -141,6 +141,8 @@ def compare_rows(comp) -> tuple[list[tuple[str, str]], list[dict[str, str]]]:
     cols = [("method", "method"), ("tok/s", "tok/s"), ("speedup", "speedup\n(total)"), ("mean", "speedup\n(mean)")]
     cols += [("over plain", "over own\nplain")] if split else []
     cols += [("tau", "tau"), ("identical", same_head)]
+    if comp.int8 and comp.greedy and comp.baseline in comp.runs:  # said, not checked: generate runs the float32 model
+        cols += [("to generate", "identical to\ngenerate\n(float32)")]
     n = len(comp.items)
     rows = []
     for name, run in comp.runs.items():
@@ -163,6 +165,7 @@ def compare_rows(comp) -> tuple[list[tuple[str, str]], list[dict[str, str]]]:
             "tau": f"{run.total.tau:.2f}" if run.speculative else "",
             "identical": "" if base or name == comp.reference else ("-" if same is None else f"{same}/{n}" + ties_note(comp, name)),
             "acceptance": fmt_depths(run.total.acceptance_by_depth, 8) if run.speculative else "",
+            "to generate": "" if (g := comp.identical_to_generate(name)) is None else f"{g}/{n}",
         })
     return cols, rows
 

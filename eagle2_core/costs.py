@@ -132,7 +132,7 @@ def profile_key(model, head) -> dict:
     return {"version": PROFILE_VERSION, "model": hashlib.sha1(cfg.encode()).hexdigest()[:16], "dtype": str(w.dtype).replace("torch.", ""),
             "device": str(w.device), "device_name": _device_name(w.device), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "body": _body_label(TargetRunner(model)), "kernels": native.source_digest(),
+            "body": _body_label(TargetRunner(model)), "kernels": native.source_digest(), "arithmetic": rowgemm.arithmetic(),
             "blocks": sorted({b.type_name for b in map(rowgemm.blocks_of, model.parameters()) if b is not None})
                       + (["floatless"] if any(map(rowgemm.floatless, model.parameters())) else []),
             "head": None if head is None else f"{getattr(head, 'kind', 'eagle2')}:{head.spec.hidden_size}:{head_draft_rows(head)}"

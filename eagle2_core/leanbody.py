@@ -116,6 +116,12 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
         if common is not None:
             blocks = [widen(b, common) for b in blocks]
     same_type = all(b is not None for b in blocks) and len({b.qtype for b in blocks}) == 1
+    if not same_type and all(rowgemm.floatless(m.weight) for m in linears):
+        # blocks only, of types no one type holds exactly (Q4_K_M's Q4_K q/k beside a Q6_K v): one
+        # product per part, each in its own type, never a float32 copy of the parts
+        with torch.no_grad():
+            bias = stacked([m.bias for m in linears]) if linears[0].bias is not None else None
+        return [m.weight for m in linears], bias
     if same_type:  # one block weight for the fused product, the parts' blocks views into it (no second copy)
         fused_blocks = torch.cat([b.blocks for b in blocks])
         off, parts = 0, []
@@ -147,6 +153,15 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
         if same_type:  # rows of blocks stack as rows of floats do
             rowgemm.attach_blocks(weight, fused_bw)
     return weight, bias
+
+
+def parts_product(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear_rows` over a fused weight, or over the parts of one kept apart (`_fuse`), their
+    outputs side by side: each output is its own dot product, so the same values either way."""
+    if not isinstance(weight, list):
+        return linear_rows(x, weight, bias)
+    out = torch.cat([linear_rows(x, w) for w in weight], -1)
+    return out if bias is None else out + bias
 
 
 def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
@@ -287,7 +302,7 @@ class LeanBody:
         rowgemm.trim_heap()  # the parts' blocks, now views into the fused ones, were copies until here
         # the native loop is written for SiLU gates and no per-head q/k norms (Qwen3 takes the Python loop)
         self.native_ok = all(getattr(layer.self_attn, "q_norm", None) is None and type(layer.mlp.act_fn).__name__ in SILU
-                             for layer in body.layers)
+                             for layer in body.layers) and not any(isinstance(w, list) for _, qkv, _, gu in self.layers for w in (qkv, gu))
         self._packs: dict = {}  # row bucket -> (plan, epoch, products) for the native loop
         # what the native loop reads besides the products, fixed for the model's life
         self._qkv_bias = [b for _, _, b, _ in self.layers] if self.layers[0][2] is not None else []
@@ -321,7 +336,8 @@ class LeanBody:
         """Every weight this body's products read (the fused ones as fused): what the product plan measures and packs."""
         out = []
         for layer, qkv, _, gate_up in self.layers:
-            out += [qkv, layer.self_attn.o_proj.weight, gate_up, layer.mlp.down_proj.weight]
+            for w in (qkv, layer.self_attn.o_proj.weight, gate_up, layer.mlp.down_proj.weight):
+                out += w if isinstance(w, list) else [w]
         return out
 
     def __call__(self, tokens, positions, mask, cache, seen: dict | None = None, layers: tuple[int, ...] | None = None):
@@ -348,7 +364,7 @@ class LeanBody:
                 seen[i] = h
             a, m = layer.self_attn, layer.mlp
             x = rms_norm(h, layer.input_layernorm)
-            qkv = linear_rows(x, qkv_w, qkv_b).view(b, n, nh + 2 * nkv, hd)
+            qkv = parts_product(x, qkv_w, qkv_b).view(b, n, nh + 2 * nkv, hd)
             q, k, v = qkv.split((nh, nkv, nkv), dim=2)
             if getattr(a, "q_norm", None) is not None:  # Qwen3: per-head norms before rotary
                 q, k = rms_norm(q, a.q_norm), rms_norm(k, a.k_norm)
@@ -366,6 +382,6 @@ class LeanBody:
             o = o.reshape(b, nh, n, hd).transpose(1, 2).reshape(b, n, nh * hd)
             h = h + linear_rows(o, a.o_proj.weight)
             x = rms_norm(h, layer.post_attention_layernorm)
-            g, u = linear_rows(x, gate_up).chunk(2, -1)
+            g, u = parts_product(x, gate_up).chunk(2, -1)
             h = h + linear_rows(m.act_fn(g) * u, m.down_proj.weight)
         return rms_norm(h, body.norm)

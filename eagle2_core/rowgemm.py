@@ -41,7 +41,7 @@ from torch import nn
 
 from . import native
 
-KERNELS = ("linear", "transposed", "packed", "stream", "block")
+KERNELS = ("linear", "transposed", "packed", "stream", "block")  # "int8" is the arithmetic's, never the plan's
 ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # a product of r rows follows the first bucket >= r
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -357,7 +357,7 @@ def float32_weights():
             for w, bw in kept:
                 w.data = native.module().block_rows(bw.blocks, bw.qtype, bw.in_features, None, None)
                 attach_blocks(w, bw)
-        with using_plan(forced("stream")):
+        with using_plan(forced("stream")), using_arithmetic("exact"):
             yield
     finally:
         with torch.no_grad():
@@ -420,6 +420,55 @@ def floatless_embedding_kind(cls: type) -> type:
     if cls not in _EMBEDDING_KINDS:
         _EMBEDDING_KINDS[cls] = type(f"Floatless{cls.__name__}", (cls, FloatlessEmbedding), {})
     return _EMBEDDING_KINDS[cls]
+
+
+# -- the arithmetic of the products over blocks -------------------------------------------------
+# "exact": a block weight's product is bitwise the float32 product over its dequantized values
+# (the model transformers loads). "int8": each activation row is quantized to 8 bits once per
+# product and multiplied in integers (csrc/int8.cpp), as llama.cpp does, several times cheaper
+# per row; every product then takes a row-invariant kernel (int8 over blocks, the float32 stream
+# kernel over float weights), so a row's result is the same whatever the other rows and speculation
+# stays bitwise equal to plain decoding in that arithmetic. Process-wide: one target per process.
+ARITHMETICS = ("int8", "exact")
+ARITHMETIC = {"name": "exact"}
+
+
+def int8_known(qtype: int) -> bool:
+    """Whether the int8 kernel takes this block type (built here and written for it)."""
+    mod = native.module()
+    return mod is not None and hasattr(mod, "int8_type_known") and bool(mod.int8_type_known(qtype))
+
+
+def have_int8() -> bool:
+    """Whether int8 kernels are built here (native code with csrc/int8.cpp)."""
+    mod = native.module()
+    return mod is not None and hasattr(mod, "int8_linear")
+
+
+def set_arithmetic(name: str) -> None:
+    global EPOCH
+    if name not in ARITHMETICS:
+        raise ValueError(f"unknown arithmetic {name!r}; choose from {', '.join(ARITHMETICS)}")
+    if name == "int8" and not have_int8():
+        raise ValueError(f"int8 arithmetic needs eagle2's native kernels, which are {native.status()}")
+    if ARITHMETIC["name"] != name:
+        ARITHMETIC["name"] = name
+        EPOCH += 1  # the native loop's cached kernel choices are stale
+
+
+def arithmetic() -> str:
+    return ARITHMETIC["name"]
+
+
+@contextmanager
+def using_arithmetic(name: str):
+    """`name` inside the block only (tests; `compare` running both)."""
+    before = arithmetic()
+    set_arithmetic(name)
+    try:
+        yield
+    finally:
+        set_arithmetic(before)
 
 
 def install_plan(plan: ProductPlan) -> None:
@@ -499,6 +548,14 @@ def _kernel(rows: int, dtype: torch.dtype, input_grad: bool, weight: torch.Tenso
         return "linear"
     if torch.is_grad_enabled() and (weight.requires_grad or input_grad):
         return "linear"  # training keeps linear's backward
+    if ARITHMETIC["name"] == "int8" and dtype == torch.float32 and have_stream():
+        # one arithmetic at every row count: int8 over blocks, else the row-invariant float32 stream
+        bw = blocks_of(weight)
+        if bw is not None and int8_known(bw.qtype):
+            return "int8"
+        if floatless(weight):
+            return "block"
+        return "stream" if stream_fits(weight) else "linear"
     if dtype == torch.float32 and floatless(weight) and have_stream():
         return "block"  # its blocks are all there is
     k = PLAN.kernel(rows, weight)
@@ -511,15 +568,16 @@ def _kernel(rows: int, dtype: torch.dtype, input_grad: bool, weight: torch.Tenso
 
 KERNEL_CODES = {"packed": 0, "linear": 1, "transposed": 2, "stream": 3}  # leanbody's native loop takes the kernel as a code
 BLOCK_CODE = 16  # + the GGML type: the block kernel over the weight's GGUF blocks (csrc/layers.cpp)
+INT8_CODE = 1024  # + the GGML type: the int8 kernel over the weight's blocks (csrc/int8.cpp)
 
 
 def product_choice(rows: int, weight: torch.Tensor) -> tuple[int, torch.Tensor]:
     """(kernel code, the tensor it reads) for a product of `rows` rows with `weight`: the plan's
     kernel as `kernel_for` picks it, with the packing for `packed` (leanbody's native loop)."""
     k = _kernel(rows, weight.dtype, False, weight)
-    if k == "block":
+    if k in ("block", "int8"):
         bw = blocks_of(weight)
-        return BLOCK_CODE + bw.qtype, bw.blocks
+        return (BLOCK_CODE if k == "block" else INT8_CODE) + bw.qtype, bw.blocks
     return (0, _packed_of(weight)) if k == "packed" else (KERNEL_CODES[k], weight)
 
 
@@ -544,6 +602,9 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if k == "block":
         bw = blocks_of(weight)
         return native.module().block_linear(x, bw.blocks, bw.qtype, bias)
+    if k == "int8":
+        bw = blocks_of(weight)
+        return native.module().int8_linear(x, bw.blocks, bw.qtype, bias)
     x2 = x.reshape(-1, x.shape[-1])
     if k == "packed":
         out = packed_product(x2, _packed_of(weight), bias)

@@ -64,6 +64,18 @@ def capture_choice(device, tree: TreeSettings, compile: bool | None) -> tuple[st
     return ("cuda-graphs" if kind == "cuda" else "inductor"), True
 
 
+def choose_arithmetic(target: LoadedTarget, exact: bool) -> tuple[str, str | None]:
+    """(arithmetic, a note or None): int8 for a CPU float32 target held as blocks unless `exact`
+    asks for the dequantized float32 model's bits; exact for everything else."""
+    w = target.model.get_output_embeddings().weight
+    held_as_blocks = target.block_bytes > 0 and w.device.type == "cpu" and w.dtype == torch.float32
+    if exact or not held_as_blocks:
+        return "exact", None
+    if not rowgemm.have_int8():
+        return "exact", "no int8 kernels are built here: products run exact (float32 over the dequantized blocks)"
+    return "int8", None
+
+
 def random_head(target: LoadedTarget, seed: int = 0) -> DraftHead:
     """An untrained head shaped for the target (tau near 1: for tests and demos only)."""
     g = torch.random.get_rng_state()
@@ -111,6 +123,7 @@ class Runtime:
     # kept sequences (prefix.py), shared by every decoder of this runtime: KV depends on the model
     # and head only, not on the tree or the generation settings. None: every prompt prefilled whole
     prefix_cache: object = field(default=None, repr=False)
+    arithmetic: str = "exact"  # the products' arithmetic (rowgemm.ARITHMETICS): int8 or exact
 
     @classmethod
     def load(cls, model: str | None = None, draft: str | None = None, *, dtype: str = "auto", device: str = "auto",
@@ -118,7 +131,7 @@ class Runtime:
              trust_remote_code: bool = False, tree: dict | None = None, gen: GenerationSettings | None = None,
              system_prompt: str | None = None, chat_template: str | None = None, need_head: bool = True,
              compile: bool | None = None, gen_overrides: dict | None = None, use_generation_config: bool = True,
-             sample_by_default: bool = True, draft_sources: str | None = None) -> "Runtime":
+             sample_by_default: bool = True, draft_sources: str | None = None, exact: bool = False) -> "Runtime":
         """`gen` is used as given; without it the settings come from the model's generation_config
         with `gen_overrides` (the user's flags, None = not given) on top (sampling.settings_from_model)."""
         try:  # a bad EAGLE2_KERNEL is said before anything loads
@@ -127,6 +140,10 @@ class Runtime:
             raise LoadError(str(e)) from None
         target = load_target(model, dtype=dtype, device=device, device_map=device_map, load_in_8bit=load_in_8bit,
                              load_in_4bit=load_in_4bit, trust_remote_code=trust_remote_code)
+        arith, why = choose_arithmetic(target, exact)
+        rowgemm.set_arithmetic(arith)  # before the cost profile: its key names the arithmetic
+        if why:
+            target.notes = list(target.notes or []) + [why]
         model_gen = getattr(target.model, "generation_config", None)
         if gen is None:
             gen = settings_from_model(model_gen, gen_overrides, use_generation_config=use_generation_config,
@@ -166,7 +183,7 @@ class Runtime:
             # collection first: it found 32 unreachable objects after loading SmolLM2 (RSS
             # unchanged) and took 0.2-0.3 s of every start-up.
             gc.freeze()
-        return cls(target, head, settings, gen, system_prompt, chat_template,
+        return cls(target, head, settings, gen, system_prompt, chat_template, arithmetic=arith,
                    draft_name=("none" if head is None and need_head else draft or default_head_for(target.name) or ""), costs=costs,
                    compile=backend, graph=graph, auto_tree=auto, constant_tree=constant_tree, notices=notices, sources=sources)
 
@@ -198,7 +215,7 @@ class Runtime:
                 "device": str(self.model.get_output_embeddings().weight.device),
                 "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
                 "generation": dataclasses.asdict(self.gen), "generation_config": self.generation_settings(),
-                "tree": dataclasses.asdict(self.tree), "gguf_block_bytes": self.target.block_bytes}
+                "tree": dataclasses.asdict(self.tree), "gguf_block_bytes": self.target.block_bytes, "arithmetic": self.arithmetic}
 
     def generation_settings(self) -> dict:
         """The generation_config fields that shape the target's scores, and its processors in

@@ -130,13 +130,22 @@ class Comparison:
         return statistics.fmean(r) if r else None
 
     @property
+    def int8(self) -> bool:
+        """Whether the target multiplied in int8 (rowgemm.ARITHMETICS): every product row-invariant, so
+        eagle2's methods must equal its plain decoding to the bit and `generate` (float32) is another model."""
+        return self.settings.get("arithmetic") == "int8"
+
+    @property
     def reference(self) -> str | None:
         """What outputs are checked against. Greedy: the baseline (`generate`), or where none ran,
         eagle2's own plain decoding (`compare --no-vanilla`: a sweep still checks that speculation
         changed no answer). Sampling with a seed: eagle2's plain decoding, since every eagle2
         decoder draws a token from one uniform per output position (accept.accept_sampling_keyed),
         so a seeded answer is the same whatever the trees; `generate` draws differently. Unseeded
-        sampling: nothing (each answer draws its own seed)."""
+        sampling: nothing (each answer draws its own seed). In int8 always eagle2's plain decoding,
+        the same arithmetic as every eagle2 method; `generate` runs the float32 model."""
+        if self.int8:
+            return PLAIN if PLAIN in self.runs and (self.greedy or self.gen.seed is not None) else None
         if self.greedy:
             if self.baseline and self.baseline in self.runs:
                 return self.baseline
@@ -148,7 +157,20 @@ class Comparison:
         seeded sampling, eagle2's own decoders (not `generate` or HF's assisted decoding)."""
         if not self.reference or name == self.reference:
             return False
-        return self.greedy or self.runs[name].backend_used is not None
+        return (self.greedy and not self.int8) or self.runs[name].backend_used is not None
+
+    def identical_to_generate(self, name: str) -> int | None:
+        """In int8, how many greedy outputs equal `generate`'s (the float32 model): said, never checked."""
+        if not (self.int8 and self.greedy and self.baseline in self.runs) or name == self.baseline:
+            return None
+        base = self.runs[self.baseline].outputs
+        return sum(first_difference(a, b) is None for a, b in zip(self.runs[name].outputs, base))
+
+    def bugs(self, name: str) -> int:
+        """Differences from the reference that rounding cannot explain: in int8 every one (each row's
+        result is the same whatever the other rows, so no near-tie exists), else the explained ones
+        that are not near-ties."""
+        return len(self.differences(name)) if self.int8 else self.tie_counts(name)[1]
 
     def differences(self, name: str) -> list[tuple[PromptItem, int]]:
         """(item, first differing token index) for outputs that differ from the reference's."""
@@ -217,6 +239,8 @@ class Comparison:
             sp, mean = self.speedup(name), self.mean_speedup(name)
             d.update(speedup=None if sp is None else round(sp, 4), speedup_mean_ratio=None if mean is None else round(mean, 4),
                      identical=self.identical(name))
+            if (g := self.identical_to_generate(name)) is not None:
+                d["identical_to_generate"] = g
             if (op := self.over_plain(name)) is not None:
                 d["speedup_over_plain"] = round(op, 4)
             diffs = self.differences(name)
@@ -236,6 +260,7 @@ class Comparison:
             "prompts": len(self.items),
             "identical": self.identical(main),
             "identical_to": self.reference,
+            **({"identical_to_generate": self.identical_to_generate(main)} if self.identical_to_generate(main) is not None else {}),
             "speedup": None if self.speedup(main) is None else round(self.speedup(main), 4),
             "speedup_mean_ratio": None if self.mean_speedup(main) is None else round(self.mean_speedup(main), 4),
             "greedy": self.greedy,

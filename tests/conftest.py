@@ -95,15 +95,35 @@ def tiny_head_dir(tiny_model_dir, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2():
-    """The embedded default, SmolLM2-135M-Instruct with its shipped head, as `eagle2` loads it
-    with no --model / --draft (`Runtime.load(None)`): the GGUF is dequantized and the CPU cost
-    profile measured once per session, both into this session's EAGLE2_CACHE, where the CLI
-    (in-process or a subprocess, which inherits the variable) finds them again. Shared by the
-    slow tests: don't mutate it."""
+def smollm2_runtime():
     from eagle2_core.runtime import Runtime
 
     return Runtime.load(None)
+
+
+@pytest.fixture
+def smollm2(smollm2_runtime):
+    """The embedded default, SmolLM2-135M-Instruct with its shipped head, as `eagle2` loads it
+    with no --model / --draft (`Runtime.load(None)`), loaded and its CPU cost profile measured
+    once per session into this session's EAGLE2_CACHE, where the CLI (in-process or a
+    subprocess, which inherits the variable) finds it again; its arithmetic (process-wide)
+    set again for each test. Shared by the slow tests: don't mutate it."""
+    from eagle2_core import rowgemm
+
+    rowgemm.set_arithmetic(smollm2_runtime.arithmetic)
+    return smollm2_runtime
+
+
+@pytest.fixture(autouse=True)
+def _arithmetic_restored():
+    """The products' arithmetic is process-wide (rowgemm.ARITHMETIC): a test that loads a block
+    target (int8 by default) leaves the next test where it found it."""
+    from eagle2_core import rowgemm
+
+    before = rowgemm.arithmetic()
+    yield
+    if rowgemm.arithmetic() != before:
+        rowgemm.set_arithmetic(before)
 
 
 @pytest.fixture(scope="session")
