@@ -150,8 +150,10 @@ class ChatApp:
                 v_tokens, vanilla = rt.vanilla().generate(ids, rt.gen)
                 self.vanilla_turns.append(vanilla)
                 if rt.gen.temperature <= 0:
+                    # in int8 vanilla `generate` runs the float32 model: a difference is said, not a fault
+                    ref = "vanilla (float32)" if rt.arithmetic == "int8" else "vanilla"
                     i = first_difference(detok.ids, v_tokens)
-                    extra += "; " + ("identical to vanilla" if i is None else f"differs from vanilla from token {i}")
+                    extra += "; " + (f"identical to {ref}" if i is None else f"differs from {ref} from token {i}")
             view.set_stats(self._panel(summary, tree, vanilla, extra))
         # the answer's own ids continue the conversation (chat.Conversation); an interrupted one
         # too: its cache was kept if the stream closed between events, else the next turn prefills it

@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-from . import atomic
+from . import atomic, rowgemm
 from .events import GenerationSettings, Summary
 from .prompts import InputError, PromptItem, SplicedIds, apply_overrides, ident
 from .stats import summary_metrics
@@ -236,6 +236,7 @@ def item_record(item: PromptItem, texts: list[str], reasons: list[str], total: S
         out["usage"]["turns"] = [{"prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
                                   "completion_tokens": s.new_tokens} for s in turns]
     out["metrics"] = summary_metrics(total, depth)
+    out["metrics"]["arithmetic"] = rowgemm.arithmetic()  # int8 answers are another model's than exact (float32) ones
     return out
 
 

@@ -290,6 +290,7 @@ def create_app(rt, engine, *, model_name: str, api_key: str | None = None, cors:
 
     worker = EngineWorker(engine, max_queue=max_queue)
     created = int(time.time())
+    fingerprint = f"eagle2-{getattr(rt, 'arithmetic', 'exact')}"  # the products' arithmetic: int8 answers differ from exact ones
 
     def error(e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
@@ -317,9 +318,11 @@ def create_app(rt, engine, *, model_name: str, api_key: str | None = None, cors:
         if kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-            return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name, "choices": [choice]}
+            return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name,
+                    "system_fingerprint": fingerprint, "choices": [choice]}
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name, "choices": [choice]}
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
+                "system_fingerprint": fingerprint, "choices": [choice]}
 
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
@@ -418,8 +421,8 @@ def create_app(rt, engine, *, model_name: str, api_key: str | None = None, cors:
         else:
             choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": reason}
             obj = "text_completion"
-        return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model_name, "choices": [choice],
-                             "usage": usage(summary, len(parsed.ids))})
+        return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
+                             "system_fingerprint": fingerprint, "choices": [choice], "usage": usage(summary, len(parsed.ids))})
 
     async def chat_completions(request):
         return await complete(request, parse_chat, "chat")
