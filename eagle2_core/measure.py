@@ -28,6 +28,11 @@ from .tree import batch_trees
 from .treesettings import BATCH_DEPTH, BATCH_TOP_K, TreeSettings
 
 
+PROBE_MS = 3000  # what the whole verify grid may take before a first answer; past it, QUICK_* sizes
+QUICK_VERIFY_ROWS = (1, 2, 4, 8, 16)
+QUICK_DRAFT_ROWS = (1, 4, 10)
+
+
 def _timed(fns: dict, rounds: int) -> dict:
     """Median ms of each function, timed in interleaved rounds (every function once per round),
     so that a slow stretch of a shared or throttling machine lands on all of them alike rather
@@ -55,7 +60,8 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
     # with its packings made, as a generation will run.
     weights = product_weights(model, head)
     # EAGLE2_KERNEL forces one kernel: there is nothing to choose, so nothing to time
-    products = {} if rowgemm.env_forced() else measure_products(weights, reps=reps)
+    # In int8 every product's kernel is fixed by the arithmetic (rowgemm._kernel): nothing to choose either
+    products = {} if rowgemm.env_forced() or rowgemm.arithmetic() == "int8" else measure_products(weights, reps=reps)
     rowgemm.install_plan(product_plan(products))
     rowgemm.prepare(weights)
     stream, weight_bytes = stream_reader(model)
@@ -81,11 +87,20 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
 
         # The stream floor in the same interleaved rounds as the verifies: on a VM whose speed
         # drifts by a fifth within minutes, their ratio is only meaningful measured side by side.
+        # A large target is probed at a few sizes (the table interpolates between them): the whole
+        # grid would cost minutes before a first answer (a 1-row verify of an 8B target takes ~0.3 s)
+        one = _timed({1: verify_fn(1)}, 1)[1]
+        lm_rows = LM_HEAD_ROWS
+        if one * len(verify_rows) * (reps + 1) > PROBE_MS:
+            lm_rows = tuple(n for n in LM_HEAD_ROWS if n <= max(QUICK_VERIFY_ROWS))
+            verify_rows = [n for n in QUICK_VERIFY_ROWS if n in verify_rows] or [1]
+            draft_rows = [k for k in QUICK_DRAFT_ROWS if k in draft_rows] or list(draft_rows)[:1]
+            reps = 2
         verify = _timed({n: verify_fn(n) for n in verify_rows} | ({"floor": stream} if stream else {}), reps)
         floor_ms = verify.pop("floor", None)
         # lm_head alone, as acceptance applies it (the product plan's kernel)
         hid = torch.randn(max(LM_HEAD_ROWS), text_config(model.config).hidden_size, device=dev, dtype=run.dtype)
-        lm_head = _timed({n: (lambda n=n: run.logits(hid[:n]).argmax(-1)) for n in LM_HEAD_ROWS}, reps)
+        lm_head = _timed({n: (lambda n=n: run.logits(hid[:n]).argmax(-1)) for n in lm_rows}, reps)
         # One draft step over k nodes, with the prompt in the head's own cache (none without a head:
         # head-free sources draft on the host, and the chooser learns that time from real cycles).
         if head is None:
