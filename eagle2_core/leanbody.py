@@ -271,7 +271,7 @@ def head_layer(head, x: torch.Tensor, position_embeddings, mask, cache) -> torch
     hd, nh, nkv = heads_of(a)
     c = cache.layers[0]
     return loop.layers(x, cos[:, :, None], signed_sine(sin)[:, :, None], mask, [tensors[0]], [qkv_bias] if qkv_bias is not None else [],
-                       [tensors[1]], [tensors[2]], [tensors[3]], codes, [_NO_NORM], [layer.post_attention_layernorm.weight], _NO_NORM,
+                       [tensors[1]], [tensors[2]], [tensors[3]], codes, [], [_NO_NORM], [layer.post_attention_layernorm.weight], _NO_NORM,
                        layer.post_attention_layernorm.variance_epsilon, [c.keys], [c.values], start, int(cache.view), nh, nkv, hd, a.scaling)
 
 
@@ -302,7 +302,7 @@ class LeanBody:
         rowgemm.trim_heap()  # the parts' blocks, now views into the fused ones, were copies until here
         # the native loop is written for SiLU gates and no per-head q/k norms (Qwen3 takes the Python loop)
         self.native_ok = all(getattr(layer.self_attn, "q_norm", None) is None and type(layer.mlp.act_fn).__name__ in SILU
-                             for layer in body.layers) and not any(isinstance(w, list) for _, qkv, _, gu in self.layers for w in (qkv, gu))
+                             for layer in body.layers)
         self._packs: dict = {}  # row bucket -> (plan, epoch, products) for the native loop
         # what the native loop reads besides the products, fixed for the model's life
         self._qkv_bias = [b for _, _, b, _ in self.layers] if self.layers[0][2] is not None else []
@@ -314,13 +314,16 @@ class LeanBody:
         key = rowgemm.bucket(rows)
         got = self._packs.get(key)
         if got is None or got[0] is not rowgemm.PLAN or got[1] != rowgemm.EPOCH:
-            tensors, codes = [[], [], [], []], []
+            tensors, codes, counts = [[], [], [], []], [], []
             for layer, qkv, _, gate_up in self.layers:
                 for kind, w in zip(tensors, (qkv, layer.self_attn.o_proj.weight, gate_up, layer.mlp.down_proj.weight)):
-                    code, t = rowgemm.product_choice(rows, w)
-                    kind.append(t)
-                    codes.append(code)
-            got = self._packs[key] = (rowgemm.PLAN, rowgemm.EPOCH, (tensors, codes))
+                    parts = w if isinstance(w, list) else [w]  # a fused weight kept as parts (_fuse)
+                    for part in parts:
+                        code, t = rowgemm.product_choice(rows, part)
+                        kind.append(t)
+                        codes.append(code)
+                    counts.append(len(parts))
+            got = self._packs[key] = (rowgemm.PLAN, rowgemm.EPOCH, (tensors, codes, counts))
         return got[2]
 
     def _native(self, b, n, mask, cache, layers):
@@ -353,9 +356,9 @@ class LeanBody:
         cos, sin = cos[:, :, None], signed_sine(sin)[:, :, None]  # [B, n, 1, hd]: over q's and k's heads alike
         native, products = self._native(b, n, mask, cache, layers)
         if native is not None:
-            (qkv, o, gate_up, down), codes = products
+            (qkv, o, gate_up, down), codes, counts = products
             layer0 = self.layers[0][0]
-            return native.layers(h, cos, sin, mask, qkv, self._qkv_bias, o, gate_up, down, codes, *self._norms, body.norm.weight,
+            return native.layers(h, cos, sin, mask, qkv, self._qkv_bias, o, gate_up, down, codes, counts, *self._norms, body.norm.weight,
                                  layer0.input_layernorm.variance_epsilon, [c.keys for c in cache.layers], [c.values for c in cache.layers],
                                  int(cache.start), int(cache.view), nh, nkv, hd, layer0.self_attn.scaling)
         want = set(layers or ())

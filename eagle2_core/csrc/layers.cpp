@@ -21,9 +21,12 @@ static Tensor packed_linear(const Tensor& x, const Tensor& w, const Tensor* bias
 
 // One product by the plan's kernel (rowgemm.KERNEL_CODES): 0 oneDNN packed, 1 F.linear, 2 W @ x.T,
 // 3 our streaming kernel (products.cpp); BLOCK + t: the streaming kernel over a uint8 weight of
-// GGUF blocks of GGML type t (block_linear: the float32 stream product's bits from the blocks).
+// GGUF blocks of GGML type t (block_linear: the float32 stream product's bits from the blocks);
+// INT8 + t: the same blocks in integer arithmetic (int8_linear: 8-bit activations).
 static constexpr int64_t BLOCK = 16;
+static constexpr int64_t INT8 = 1024;
 static Tensor product(const Tensor& x, const Tensor& w, int64_t kind, const Tensor* bias) {
+  if (kind >= INT8) return int8_linear(x, w, kind - INT8, bias ? c10::optional<Tensor>(*bias) : c10::nullopt, 0);
   if (kind >= BLOCK) return block_linear(x, w, kind - BLOCK, bias ? c10::optional<Tensor>(*bias) : c10::nullopt);
   if (kind == 0) return packed_linear(x, w, bias);
   if (kind == 3) return stream_linear(x, w, bias ? c10::optional<Tensor>(*bias) : c10::nullopt);
@@ -34,12 +37,41 @@ static Tensor product(const Tensor& x, const Tensor& w, int64_t kind, const Tens
 
 // The same into a work buffer: ours writes there, the others' results are copied in.
 static const Tensor& product_into(const Tensor& x, const Tensor& w, int64_t kind, const Tensor* bias, Tensor& out) {
-  if (kind >= BLOCK)
+  if (kind >= INT8)
+    int8_into(x, w, kind - INT8, bias, out);
+  else if (kind >= BLOCK)
     block_into(x, w, kind - BLOCK, bias, out);
   else if (kind == 3 && w.scalar_type() == at::kFloat)
     stream_into(x, w, bias, out);
   else
     out.copy_(product(x, w, kind, bias).view(out.sizes()));
+  return out;
+}
+
+// A product whose weight is kept as parts (a fused q/k/v of block types no one type holds
+// exactly): each part by its own kernel, their outputs side by side, the bias after the sums as
+// the kernels add it. Parts [at, at + count) of `ws`, their kernels at the same places of `kinds`.
+static Tensor parts_product(const Tensor& x, const std::vector<Tensor>& ws, const std::vector<int64_t>& kinds, size_t at,
+                            int64_t count, const Tensor* bias) {
+  if (count == 1) return product(x, ws[at], kinds[at], bias);
+  std::vector<Tensor> outs;
+  for (int64_t p = 0; p < count; ++p) outs.push_back(product(x, ws[at + p], kinds[at + p], nullptr));
+  auto out = at::cat(outs, -1);
+  return bias ? out.add_(*bias) : out;
+}
+
+static const Tensor& parts_into(const Tensor& x, const std::vector<Tensor>& ws, const std::vector<int64_t>& kinds, size_t at,
+                                int64_t count, const Tensor* bias, Tensor& out) {
+  if (count == 1) return product_into(x, ws[at], kinds[at], bias, out);
+  const int64_t rows = out.size(0);
+  int64_t off = 0;
+  for (int64_t p = 0; p < count; ++p) {
+    auto y = product(x, ws[at + p], kinds[at + p], nullptr);
+    const int64_t cols = y.numel() / rows;
+    out.narrow(1, off, cols).copy_(y.view({rows, cols}));
+    off += cols;
+  }
+  if (bias) out.add_(*bias);
   return out;
 }
 
@@ -247,6 +279,7 @@ static const float* weight_or_null(const Tensor& w) { return w.numel() ? w.data_
 static Tensor fused_layers(Tensor h, const Tensor& cos_, const Tensor& sin_, const Tensor& mask,
                            const std::vector<Tensor>& qkv, const std::vector<Tensor>& qkv_bias, const std::vector<Tensor>& o,
                            const std::vector<Tensor>& gate_up, const std::vector<Tensor>& down, const std::vector<int64_t>& kinds,
+                           const std::vector<int64_t>& counts,
                            const std::vector<Tensor>& ln1, const std::vector<Tensor>& ln2, const Tensor& norm, double eps,
                            const std::vector<Tensor>& keys, const std::vector<Tensor>& values, int64_t start, int64_t view,
                            int64_t nh, int64_t nkv, int64_t hd, double scaling) {
@@ -255,7 +288,9 @@ static Tensor fused_layers(Tensor h, const Tensor& cos_, const Tensor& sin_, con
   auto cos = cos_.contiguous(), sin = sin_.contiguous();
   // work buffers for the whole forward, kept from one forward to the next (a fresh allocation per
   // product touched new pages each time: 3 ms of a 16-row verify on a VM where first touches are slow)
-  const int64_t T = (nh + 2 * nkv) * hd, I2 = gate_up[0].size(0);
+  int64_t I2 = 0;  // gate/up's outputs: the rows of its parts (a block weight's rows are its outputs too)
+  for (int64_t p = 0; p < (counts.empty() ? 1 : counts[2]); ++p) I2 += gate_up[p].size(0);
+  const int64_t T = (nh + 2 * nkv) * hd;
   thread_local Tensor kept;  // grown, never shrunk: later forwards reuse the touched pages
   const int64_t need = n * (H + nh * hd + T + H + I2 + I2 / 2 + H);
   if (!kept.defined() || kept.numel() < need) kept = at::empty({need}, h.options());
@@ -265,19 +300,37 @@ static Tensor fused_layers(Tensor h, const Tensor& cos_, const Tensor& sin_, con
   auto x = take(H), a = take(nh * hd), t = take(T), y = take(H), gu = take(I2), act = take(I2 / 2), y2 = take(H);
   float* hp = h.data_ptr<float>();
   const float* mp = mask.data_ptr<float>();
-  for (size_t i = 0; i < qkv.size(); ++i) {
+  // kinds and parts in order: a layer's q/k/v parts, o, gate/up parts, down (counts: parts per product, 4 a layer)
+  size_t qi = 0, oi = 0, gi = 0, di = 0, ki = 0;
+  std::vector<int64_t> kq, ko, kg, kd;
+  const size_t L = ln1.size();
+  for (size_t i = 0; i < L; ++i) {
+    const int64_t c[4] = {counts.empty() ? 1 : counts[4 * i], counts.empty() ? 1 : counts[4 * i + 1],
+                          counts.empty() ? 1 : counts[4 * i + 2], counts.empty() ? 1 : counts[4 * i + 3]};
+    for (int64_t p = 0; p < c[0]; ++p) kq.push_back(kinds[ki++]);
+    for (int64_t p = 0; p < c[1]; ++p) ko.push_back(kinds[ki++]);
+    for (int64_t p = 0; p < c[2]; ++p) kg.push_back(kinds[ki++]);
+    for (int64_t p = 0; p < c[3]; ++p) kd.push_back(kinds[ki++]);
+  }
+  for (size_t i = 0; i < L; ++i) {
+    const int64_t cq = counts.empty() ? 1 : counts[4 * i], co = counts.empty() ? 1 : counts[4 * i + 1];
+    const int64_t cg = counts.empty() ? 1 : counts[4 * i + 2], cd = counts.empty() ? 1 : counts[4 * i + 3];
     fused::rms(hp, weight_or_null(ln1[i]), static_cast<float>(eps), n, H, x.data_ptr<float>());
-    product_into(x, qkv[i], kinds[4 * i], qkv_bias.empty() ? nullptr : &qkv_bias[i], t);
+    parts_into(x, qkv, kq, qi, cq, qkv_bias.empty() ? nullptr : &qkv_bias[i], t);
+    qi += cq;
     const int64_t max_len = keys[i].size(2);
     fused::rotary_and_store(t.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), n, nh, nkv, hd,
                             keys[i].data_ptr<float>(), values[i].data_ptr<float>(), max_len, start);
     fused::attend(t.data_ptr<float>(), keys[i].data_ptr<float>(), values[i].data_ptr<float>(), mp, mask.stride(2),
                   mask.stride(3), n, nh, nkv, hd, max_len, view, static_cast<float>(scaling), a.data_ptr<float>());
-    fused::add_into(hp, product_into(a, o[i], kinds[4 * i + 1], nullptr, y).data_ptr<float>(), n * H);
+    fused::add_into(hp, parts_into(a, o, ko, oi, co, nullptr, y).data_ptr<float>(), n * H);
+    oi += co;
     fused::rms(hp, weight_or_null(ln2[i]), static_cast<float>(eps), n, H, x.data_ptr<float>());
-    const Tensor& g = product_into(x, gate_up[i], kinds[4 * i + 2], nullptr, gu);
+    const Tensor& g = parts_into(x, gate_up, kg, gi, cg, nullptr, gu);
+    gi += cg;
     fused::silu_mul(g.data_ptr<float>(), n, I2 / 2, act.data_ptr<float>());
-    fused::add_into(hp, product_into(act, down[i], kinds[4 * i + 3], nullptr, y2).data_ptr<float>(), n * H);
+    fused::add_into(hp, parts_into(act, down, kd, di, cd, nullptr, y2).data_ptr<float>(), n * H);
+    di += cd;
   }
   if (norm.numel() == 0) return h;
   auto out = at::empty_like(h);
@@ -288,16 +341,29 @@ static Tensor fused_layers(Tensor h, const Tensor& cos_, const Tensor& sin_, con
 Tensor layers(Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& mask,
               const std::vector<Tensor>& qkv, const std::vector<Tensor>& qkv_bias, const std::vector<Tensor>& o,
               const std::vector<Tensor>& gate_up, const std::vector<Tensor>& down, const std::vector<int64_t>& kinds,
+              const std::vector<int64_t>& counts,
               const std::vector<Tensor>& ln1, const std::vector<Tensor>& ln2, const Tensor& norm, double eps,
               const std::vector<Tensor>& keys, const std::vector<Tensor>& values, int64_t start, int64_t view,
               int64_t nh, int64_t nkv, int64_t hd, double scaling) {
   if (fused_fits(h, mask, view) && keys[0].is_contiguous() && values[0].is_contiguous())
-    return fused_layers(h, cos, sin, mask, qkv, qkv_bias, o, gate_up, down, kinds, ln1, ln2, norm, eps, keys, values, start,
+    return fused_layers(h, cos, sin, mask, qkv, qkv_bias, o, gate_up, down, kinds, counts, ln1, ln2, norm, eps, keys, values, start,
                         view, nh, nkv, hd, scaling);
   const int64_t b = h.size(0), n = h.size(1), H = h.size(2);
-  for (size_t i = 0; i < qkv.size(); ++i) {
+  std::vector<int64_t> kq, ko, kg, kd;
+  size_t ki = 0;
+  for (size_t i = 0; i < ln1.size(); ++i) {
+    for (int64_t p = 0; p < (counts.empty() ? 1 : counts[4 * i]); ++p) kq.push_back(kinds[ki++]);
+    for (int64_t p = 0; p < (counts.empty() ? 1 : counts[4 * i + 1]); ++p) ko.push_back(kinds[ki++]);
+    for (int64_t p = 0; p < (counts.empty() ? 1 : counts[4 * i + 2]); ++p) kg.push_back(kinds[ki++]);
+    for (int64_t p = 0; p < (counts.empty() ? 1 : counts[4 * i + 3]); ++p) kd.push_back(kinds[ki++]);
+  }
+  size_t qi = 0, oi = 0, gi = 0, di = 0;
+  for (size_t i = 0; i < ln1.size(); ++i) {
+    const int64_t cq = counts.empty() ? 1 : counts[4 * i], co = counts.empty() ? 1 : counts[4 * i + 1];
+    const int64_t cg = counts.empty() ? 1 : counts[4 * i + 2], cd = counts.empty() ? 1 : counts[4 * i + 3];
     auto x = rms(h, ln1[i], eps).view({b * n, H});
-    auto t = product(x, qkv[i], kinds[4 * i], qkv_bias.empty() ? nullptr : &qkv_bias[i]).view({b, n, nh + 2 * nkv, hd});
+    auto t = parts_product(x, qkv, kq, qi, cq, qkv_bias.empty() ? nullptr : &qkv_bias[i]).view({b, n, nh + 2 * nkv, hd});
+    qi += cq;
     auto qk = t.narrow(2, 0, nh + nkv);
     qk = qk * cos + at::roll(qk, {hd / 2}, {-1}) * sin;
     auto q = qk.narrow(2, 0, nh).transpose(1, 2);
@@ -308,10 +374,13 @@ Tensor layers(Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& mask
         ? at::scaled_dot_product_attention(q.reshape({b, nkv, nh / nkv, hd}), K, V, mask, 0.0, false, scaling)
         : at::scaled_dot_product_attention(q, K, V, mask, 0.0, false, scaling, nkv < nh);
     a = a.reshape({b, nh, n, hd}).transpose(1, 2).reshape({b * n, nh * hd});
-    h = h + product(a, o[i], kinds[4 * i + 1], nullptr).view({b, n, H});
+    h = h + parts_product(a, o, ko, oi, co, nullptr).view({b, n, H});
+    oi += co;
     x = rms(h, ln2[i], eps).view({b * n, H});
-    auto gu = product(x, gate_up[i], kinds[4 * i + 2], nullptr).chunk(2, -1);
-    h = h + product(at::silu(gu[0]) * gu[1], down[i], kinds[4 * i + 3], nullptr).view({b, n, H});
+    auto gu = parts_product(x, gate_up, kg, gi, cg, nullptr).chunk(2, -1);
+    gi += cg;
+    h = h + parts_product(at::silu(gu[0]) * gu[1], down, kd, di, cd, nullptr).view({b, n, H});
+    di += cd;
   }
   return rms(h, norm, eps);
 }
@@ -337,6 +406,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_linear", &block_linear, "x @ dequantize(w).T (+ bias) from a GGUF block weight, bitwise the float32 stream product",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none());
   m.def("block_type_known", &block_type_known, "whether block_linear takes this GGML type");
+  m.def("int8_type_known", &int8_type_known, "whether int8_linear takes this type");
+  m.def("int8_paths", &int8_paths, "the int8 SIMD paths built here: 1 generic, 2 AVX2, 3 AVX512-VNNI, 4 256-bit VNNI");
+  m.def("int8_linear", &int8_linear, "x @ w.T (+ bias) over a block weight in integer arithmetic (8-bit activations)",
+        py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("path") = 0);
+  m.def("int8_quantize", &int8_quantize, "the activation blocks int8_linear makes of x [R, K]", py::arg("x"), py::arg("qtype"));
   m.def("block_rows", &block_rows, "float32 rows of a block weight, rebuilt as the block kernel reads them",
         py::arg("w"), py::arg("qtype"), py::arg("k_len"), py::arg("rows") = py::none(), py::arg("into") = py::none());
 }

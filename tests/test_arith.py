@@ -1,0 +1,91 @@
+"""The products' arithmetic on targets held as blocks (rowgemm.ARITHMETICS): exact (bitwise the
+dequantized float32 model) and int8 (activations quantized per row, integer dots). In either a
+row's result does not depend on the other rows, so speculation is bitwise plain decoding; in
+exact that is also `generate`'s. Tiny Llama targets whose weights are GGUF blocks only, of the
+types llama.cpp's Q4_K_M mix puts side by side (a fused q/k/v of Q4_K and Q6_K runs as parts)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from eagle2_core import native
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(native.module() is None, reason="eagle2's native code is not built here")
+
+T = gguf.GGMLQuantizationType
+# Q4_K_M's mix in a layer of "more bits": Q4_K q/k, Q6_K v and down; gate/up Q4_K beside Q5_K to
+# have a second mixed fusion; the lm_head Q6_K, the embedding Q8_0
+MIX = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q4_K", "gate_proj": "Q4_K", "up_proj": "Q5_K",
+       "down_proj": "Q6_K", "lm_head": "Q6_K", "embed_tokens": "Q8_0"}
+
+
+def random_blocks(name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """[n, row bytes] of type `name`: random bytes with fp16 scales of a real file's sizes."""
+    qtype = getattr(T, name)
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        return gguf.quants.quantize(w, qtype).reshape(n, -1)
+    raw = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
+    scale = (rng.standard_normal((n, k // block)) * 2e-3).astype(np.float16).view(np.uint8).reshape(n, k // block, 2)
+    smin = (np.abs(rng.standard_normal((n, k // block))) * 2e-3).astype(np.float16).view(np.uint8).reshape(n, k // block, 2)
+    if name == "Q6_K":
+        raw[..., 208:210] = scale
+    else:
+        raw[..., 0:2], raw[..., 2:4] = scale, smin
+    return raw.reshape(n, -1)
+
+
+def block_target(seed: int = 0, vocab: int = 300):
+    """A tiny Llama (hidden 256, so K-quant rows fit) whose linears and embedding are held as
+    blocks only (loading.drop_floats), each weight the dequantization of its own blocks."""
+    from conftest import make_tiny_lm
+
+    from eagle2_core import rowgemm
+    from eagle2_core.ggufblocks import BlockWeight
+    from eagle2_core.loading import drop_floats
+
+    torch.manual_seed(seed)
+    model = make_tiny_lm("llama", vocab_size=vocab, hidden_size=256, max_position_embeddings=96)  # intermediate 512
+    rng = np.random.default_rng(seed)
+    for mod_name, mod in model.named_modules():
+        if not isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)):
+            continue
+        t = MIX[mod_name.rsplit(".", 1)[-1]]
+        n, k = mod.weight.shape
+        raw = random_blocks(t, n, k, rng)
+        with torch.no_grad():
+            mod.weight.copy_(torch.from_numpy(gguf.quants.dequantize(raw, getattr(T, t)).reshape(n, k).copy()))
+        rowgemm.attach_blocks(mod.weight, BlockWeight(torch.from_numpy(raw.copy()), int(getattr(T, t)), t, k))
+    drop_floats(model)
+    return model
+
+
+def head_for(model):
+    from eagle2_core.head import DraftHead, HeadSpec
+
+    torch.manual_seed(3)
+    return DraftHead(HeadSpec.for_target(model.config)).bind(model).eval()
+
+
+def test_mixed_block_types_fuse_as_parts_and_keep_generate_bits_in_exact():
+    """A fused q/k/v (Q4_K, Q4_K, Q6_K) and gate/up (Q4_K, Q5_K) run as parts through the native
+    loop, never as float32: exact greedy speculation equals `generate` on the float32 rebuild."""
+    from eagle2_core import Eagle2Decoder, GenerationSettings, TreeSettings, rowgemm
+    from eagle2_core.target import TargetRunner
+
+    model = block_target()
+    run = TargetRunner(model)
+    assert run.lean is not None and run.lean.native_ok
+    qkv, gate_up = run.lean.layers[0][1], run.lean.layers[0][3]
+    assert isinstance(qkv, list) and [rowgemm.blocks_of(w).type_name for w in qkv] == ["Q4_K", "Q4_K", "Q6_K"]
+    assert isinstance(gate_up, list) and all(rowgemm.floatless(w) for w in qkv + gate_up)
+    prompts = [[1, 5, 9, 2], [7, 7, 3, 11, 4, 30, 12], [40]]
+    refs = [model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=10,
+                           do_sample=False, pad_token_id=0)[0, len(ids):].tolist() for ids in prompts]
+    with rowgemm.using_arithmetic("exact"):
+        dec = Eagle2Decoder(model, head_for(model), tree=TreeSettings(total_tokens=6, depth=3, top_k=2))
+        gen = GenerationSettings(max_new_tokens=10, eos_token_ids=())
+        assert [dec.generate(ids, gen)[0] for ids in prompts] == refs
