@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("products.cpp", "layers.cpp")
+SOURCES = ("products.cpp", "layers.cpp", "int8.cpp")
 # tried in order: the machine's own instruction set with wide vectors and OpenMP threads (ATen's
 # parallel_for is a header template: without -fopenmp it runs on one thread), then without the
 # x86-only flags, then single-threaded.

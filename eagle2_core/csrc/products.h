@@ -25,3 +25,19 @@ void block_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const a
 // the products read them [n, k_len]: an embedding lookup, or a float32 copy for `generate`.
 at::Tensor block_rows(const at::Tensor& w, int64_t qtype, int64_t k_len, const c10::optional<at::Tensor>& rows,
                       const c10::optional<at::Tensor>& into);
+
+// int8.cpp: the same block weights (types above and ROW_I8) in integer arithmetic. Each activation
+// row is quantized once per product to 8 bits (blocks of 32, or 256 for the K-quants, scale
+// amax / 127), every (weight block, activation block) pair is dotted exactly in int32, and each
+// output combines the integers in one fixed float32 order: bitwise the same at every row count and
+// on every SIMD path (int8.cpp's head comment defines it; tests/int8_reference.py is it in numpy).
+// Paths: 1 generic C++, 2 AVX2, 3 AVX512-VNNI, 4 256-bit VNNI; 0 is the best built here.
+bool int8_type_known(int64_t qtype);
+std::vector<int64_t> int8_paths();
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const c10::optional<at::Tensor>& bias,
+                       int64_t path);
+void int8_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const at::Tensor* bias, at::Tensor& out,
+               int64_t path = 0);
+// The activation blocks as the kernel makes them: per block a float32 scale, the int8 values, and
+// the int16 sums per 16 values ([R, K / block x (4 + block + block / 8)] bytes).
+at::Tensor int8_quantize(const at::Tensor& x, int64_t qtype);

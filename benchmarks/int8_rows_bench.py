@@ -1,0 +1,88 @@
+"""int8 products (csrc/int8.cpp) against the float32 block kernel over the same GGUF blocks, by rows.
+
+Shapes of SmolLM2-1.7B Q4_K_M (hidden 2048, intermediate 8192, vocabulary 49152) and of
+Llama-3-8B (hidden 4096, kv 1024, intermediate 14336; vocabulary 49152 as our synthetic files
+have it), weights as random blocks with sane fp16 scales (not quantized matrices: the speed does
+not depend on the values). Median ms of `int8_linear` and `block_linear` at 1, 2, 4, 8, 16 rows,
+and each one's k-rows / one-row ratio. Name the CPU and the thread count with the figures.
+
+    python3 benchmarks/int8_rows_bench.py [--threads 2] [--rows 1,2,4,8,16] [--repeat 15] [--only 1.7b|8b]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from eagle2_core import native  # noqa: E402
+
+BLOCK = {12: (256, 144, "Q4_K"), 14: (256, 210, "Q6_K")}
+SHAPES = {  # (out, in, type)
+    "1.7b": [(2048, 2048, 12), (8192, 2048, 12), (2048, 8192, 14), (2048, 8192, 12), (49152, 2048, 14)],
+    "8b": [(4096, 4096, 12), (1024, 4096, 12), (1024, 4096, 14), (14336, 4096, 12), (4096, 14336, 12),
+           (4096, 14336, 14), (49152, 4096, 14)],
+}
+
+
+def random_blocks(n: int, k: int, qtype: int, rng: np.random.Generator) -> torch.Tensor:
+    bs, nbytes, _ = BLOCK[qtype]
+    raw = rng.integers(0, 256, size=(n, k // bs, nbytes), dtype=np.uint8)
+    scale = (rng.standard_normal((n, k // bs)) * 1e-3).astype(np.float16).view(np.uint8).reshape(n, k // bs, 2)
+    if qtype == 14:
+        raw[..., 208:210] = scale
+    else:
+        raw[..., 0:2] = scale
+        raw[..., 2:4] = (np.abs(rng.standard_normal((n, k // bs))) * 1e-3).astype(np.float16).view(np.uint8).reshape(n, k // bs, 2)
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
+def median_ms(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--repeat", type=int, default=15)
+    ap.add_argument("--only", default=None, choices=sorted(SHAPES))
+    ap.add_argument("--path", type=int, default=0, help="int8 path (0: the best built)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    mod = native.module()
+    if mod is None:
+        raise SystemExit(f"eagle2's native code: {native.status()}")
+    rows = [int(r) for r in args.rows.split(",")]
+    rng = np.random.default_rng(0)
+    print(f"torch threads {torch.get_num_threads()}; int8 paths {mod.int8_paths()} (running {args.path or 'best'}); {native.status()}")
+    head = "".join(f"{r:>8}" for r in rows)
+    print(f"{'model':5} {'out x in':>12} {'type':5} {'kernel':6} {'MB':>6} |{head} | ratios k/1")
+    for model, shapes in SHAPES.items():
+        if args.only and model != args.only:
+            continue
+        for n, k, qtype in shapes:
+            w = random_blocks(n, k, qtype, rng)
+            xs = {r: torch.randn(r, k) for r in rows}
+            for name, fn in (("int8", lambda x: mod.int8_linear(x, w, qtype, None, args.path)),
+                             ("f32blk", lambda x: mod.block_linear(x, w, qtype, None))):
+                ms = [median_ms(lambda: fn(xs[r]), args.repeat) for r in rows]
+                ratios = " ".join(f"{m / ms[0]:.2f}" for m in ms)
+                cells = "".join(f"{m:8.3f}" for m in ms)
+                print(f"{model:5} {n:>6}x{k:<5} {BLOCK[qtype][2]:5} {name:6} {w.numel() / 1e6:6.1f} |{cells} | {ratios}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
