@@ -180,14 +180,18 @@ static void attend_rows(const float* t, int64_t T, const float* K, const float* 
       pb[j] = pb[j] * scale + m[j * mask_col];
       top = std::max(top, pb[j]);
     }
-    v16 sums{};
-    for (j = 0; j + 16 <= view; j += 16) {
-      const v16 e = vexp(load(pb + j) - top);
-      store(pb + j, e);
-      sums += e;
+    // Every weight by the same vector exp (the tail padded) and the sum taken in key order: a
+    // masked key adds an exact 0, so a tree row sums its visible keys as the same row decoded
+    // alone does, wherever the tree put them (lanes by key index would group them differently).
+    for (j = 0; j + 16 <= view; j += 16) store(pb + j, vexp(load(pb + j) - top));
+    if (j < view) {
+      float tail[16];
+      for (int64_t i = 0; i < 16; ++i) tail[i] = j + i < view ? pb[j + i] - top : 0.0f;
+      store(tail, vexp(load(tail)));
+      for (int64_t i = 0; j + i < view; ++i) pb[j + i] = tail[i];
     }
-    float total = lane_sum(sums);
-    for (; j < view; ++j) total += (pb[j] = std::exp(pb[j] - top));
+    float total = 0.0f;
+    for (j = 0; j < view; ++j) total += pb[j];
     sum[b] = total;
   }
   // p . v, 4 slices of 16 d's a pass (RB x 4 accumulators; the keys in order for each), then any
