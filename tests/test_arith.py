@@ -38,7 +38,7 @@ def random_blocks(name: str, n: int, k: int, rng: np.random.Generator) -> np.nda
     return raw.reshape(n, -1)
 
 
-def block_target(seed: int = 0, vocab: int = 300):
+def block_target(seed: int = 0, vocab: int = 300, fit: bool = False):
     """A tiny Llama (hidden 256, so K-quant rows fit) whose linears and embedding are held as
     blocks only (loading.drop_floats), each weight the dequantization of its own blocks."""
     from conftest import make_tiny_lm
@@ -59,8 +59,12 @@ def block_target(seed: int = 0, vocab: int = 300):
         with torch.no_grad():
             mod.weight.copy_(torch.from_numpy(gguf.quants.dequantize(raw, getattr(T, t)).reshape(n, k).copy()))
         rowgemm.attach_blocks(mod.weight, BlockWeight(torch.from_numpy(raw.copy()), int(getattr(T, t)), t, k))
+    if fit:  # a head fitted to the float32 weights (the same values; faster than rebuilding them every step)
+        from conftest import distill_tiny_head
+
+        fitted = distill_tiny_head(model, steps=80, n_seq=24)
     drop_floats(model)
-    return model
+    return (model, fitted.bind(model)) if fit else model
 
 
 def head_for(model):
@@ -89,3 +93,96 @@ def test_mixed_block_types_fuse_as_parts_and_keep_generate_bits_in_exact():
         dec = Eagle2Decoder(model, head_for(model), tree=TreeSettings(total_tokens=6, depth=3, top_k=2))
         gen = GenerationSettings(max_new_tokens=10, eos_token_ids=())
         assert [dec.generate(ids, gen)[0] for ids in prompts] == refs
+
+
+# -- int8: speculation is plain decoding, bit for bit, on every path ---------------------------
+def _engine(model, head, tokens: int, batch: int = 1, prefix: bool = False):
+    from eagle2_core import TreeSettings
+    from eagle2_core.costs import CostProfile
+    from eagle2_core.engine import Engine
+    from eagle2_core.prefix import PrefixCache
+
+    flat = CostProfile(key={}, verify_ms={1: 10.0, 16: 12.0}, draft_ms={1: 1.0, 4: 1.0})  # trees always pay: speculation runs
+    if tokens == 1:  # plain decoding: no head, no tree, no source (as compare's plain)
+        return Engine(model, None, batch=batch, costs=flat, sources=(), prefix_cache=PrefixCache() if prefix else None)
+    tree = TreeSettings(shape="dynamic", total_tokens=tokens, depth=4, top_k=3)
+    return Engine(model, head, tree=tree, costs=flat, batch=batch, prefix_cache=PrefixCache() if prefix else None)
+
+
+def _run(eng, reqs) -> dict:
+    import collections
+
+    out = {}
+    eng.run(collections.deque(reqs), lambda key, tokens, summary: out.__setitem__(key, tokens))
+    return out
+
+
+GENS = {"greedy": dict(max_new_tokens=14, eos_token_ids=()), "seeded": dict(max_new_tokens=14, temperature=0.9, seed=7, eos_token_ids=())}
+PROMPTS = [[1, 5, 9, 2], [7, 7, 3, 11, 4, 30, 12, 7, 7, 3], [40], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
+
+
+def _speculated(eng, prompts, gen) -> list:
+    """Answers of `eng`, checking that its drafts were accepted (else the identity says nothing)."""
+    outs, forwards, tokens = [], 0, 0
+    for ids in prompts:
+        out, summary = eng.generate(ids, gen)
+        outs.append(out)
+        forwards, tokens = forwards + summary.target_forwards, tokens + len(out)
+    assert forwards < 0.9 * tokens, (forwards, tokens)
+    return outs
+
+
+@pytest.fixture(scope="module")
+def int8_target():
+    from eagle2_core import rowgemm
+
+    if not rowgemm.have_int8():
+        pytest.skip("no int8 kernels built here")
+    return block_target(seed=1, vocab=48, fit=True)
+
+
+@pytest.mark.parametrize("sampling", list(GENS))
+def test_int8_speculation_is_int8_plain_decoding_at_batch_1_and_3(int8_target, sampling):
+    from eagle2_core import GenerationSettings, rowgemm
+    from eagle2_core.engine import Request
+
+    model, head = int8_target
+    gen = GenerationSettings(**GENS[sampling])
+    with rowgemm.using_arithmetic("int8"):
+        plain = [_engine(model, head, 1).generate(ids, gen)[0] for ids in PROMPTS]
+        assert _speculated(_engine(model, head, 12), PROMPTS, gen) == plain
+        reqs = [Request(i, ids, gen) for i, ids in enumerate(PROMPTS)]
+        batched_plain = _run(_engine(model, head, 1, batch=3), reqs)
+        batched = _run(_engine(model, head, 12, batch=3), [Request(i, ids, gen) for i, ids in enumerate(PROMPTS)])
+        assert [batched[i] for i in range(len(PROMPTS))] == [batched_plain[i] for i in range(len(PROMPTS))]
+    with rowgemm.using_arithmetic("exact"):  # the other arithmetic is another model: it must have been int8 that ran
+        exact = [_engine(model, head, 1).generate(ids, gen)[0] for ids in PROMPTS]
+    assert exact != plain
+
+
+def test_int8_prefix_reuse_and_chunked_prefill_keep_plain_answers(int8_target):
+    from eagle2_core import GenerationSettings, rowgemm
+    from eagle2_core.engine import Request
+
+    model, head = int8_target
+    gen = GenerationSettings(max_new_tokens=10, eos_token_ids=())
+    conv = [[1, 5, 9, 2], [7, 3, 11], [4, 30, 12, 5]]
+    with rowgemm.using_arithmetic("int8"):
+        answers = {}
+        for name, eng in (("plain", _engine(model, head, 1)), ("kept", _engine(model, head, 12, prefix=True))):
+            ids, outs = [], []
+            for part in conv:
+                ids = ids + part
+                tokens, summary = eng.generate(ids, gen, keep=True)
+                outs.append(tokens)
+                ids = ids + tokens
+            answers[name] = outs
+            if name == "kept":
+                assert summary.cached_tokens > 0  # the last turn restored the earlier ones
+        assert answers["kept"] == answers["plain"]
+        long_ids = [(7 * i) % 48 for i in range(50)]
+        want = _engine(model, head, 1).generate(long_ids, gen)[0]
+        eng = _engine(model, head, 12, batch=2)
+        eng.prefill_chunk = 16
+        out = _run(eng, [Request(0, [1, 2, 3], gen), Request(1, long_ids, gen)])
+        assert out[1] == want
