@@ -468,6 +468,26 @@ struct V512 {
     out[2] = _mm512_unpacklo_epi64(t1, t3);
     out[3] = _mm512_unpackhi_epi64(t1, t3);
   }
+  // 16 rows of 8 dwords (row i's 32 bytes in z[i % 8]'s low or high half: rows i and i + 8 share
+  // a vector) -> out[c] = dword c of every row
+  static void transpose8(VI* z, VI* out) {
+    VI t[8];
+    for (int i = 0; i < 4; ++i) {
+      t[2 * i] = _mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {  // z[4i + c]: 128-bit lane k holds rows 4i.. (k < 2) or 8 + 4i.. (k >= 2), column 4 (k % 2) + c
+      z[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+      z[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+      z[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+      z[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    const VI lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+    for (int c = 0; c < 4; ++c) {
+      out[c] = _mm512_permutex2var_epi64(z[c], lo, z[4 + c]);
+      out[4 + c] = _mm512_permutex2var_epi64(z[c], hi, z[4 + c]);
+    }
+  }
   static void transpose(VI* r, VI* out) {
     VI t[16];
     for (int i = 0; i < 8; ++i) {
@@ -573,7 +593,7 @@ inline void keepv(VF& v) {
 // unpacking each row first: the packed bytes are transposed (a dword, 4 bytes of one row, per lane)
 // and then split into nibbles, which halves the shuffles; the scales and minimums of all 16 rows
 // are decoded at once from their gathered 12 bytes.
-template <int T>
+template <int T, bool VALUES = true>
 inline void repack_k16(const uint8_t* const* rows, int64_t b, __m512i idx, __m512i* Tw, int32_t (*scm)[16], int32_t (*mpm)[16],
                        float* dw, float* dm) {
   const int64_t off = b * kind_of(T).bytes;
@@ -594,6 +614,7 @@ inline void repack_k16(const uint8_t* const* rows, int64_t b, __m512i idx, __m51
       _mm512_store_si512(mpm[2 * h], _mm512_or_si512(_mm512_and_si512(mn[h], lo16), _mm512_and_si512(_mm512_slli_epi32(mn[h], 8), hi16)));
       _mm512_store_si512(mpm[2 * h + 1], _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(mn[h], 16), lo16), _mm512_and_si512(_mm512_srli_epi32(mn[h], 8), hi16)));
     }
+    if constexpr (!VALUES) return;
     __m512i P[16], QH[16];
     if constexpr (T == 13) V512::transpose(rows, off + 16, QH);  // qh's 8 dwords (and 8 unused)
     const int qs = T == 12 ? 16 : 48;
@@ -647,6 +668,93 @@ inline void repack_k16(const uint8_t* const* rows, int64_t b, __m512i idx, __m51
     }
   }
 }
+
+// Q4_K at up to 4 activation rows: each transposed vector of packed nibbles split and dotted at
+// once, in registers (the values are not stored and read back: a third of a one-row product).
+// The same integers as the stored steps give.
+template <int R>
+inline void q4k_fused(const uint8_t* const* rows, int64_t off, const int8_t* const* x, int32_t (*scm)[16], __m512i* A) {
+  const __m512i f4 = _mm512_set1_epi32(0x0F0F0F0F);
+  for (int half = 0; half < 2; ++half) {
+    __m512i P[16];
+    V512::transpose(rows, off + 16 + 64 * half, P);
+    for (int pp = 0; pp < 2; ++pp) {
+      const int p = 2 * half + pp;
+      __m512i tl[R], th[R];
+      for (int r = 0; r < R; ++r) tl[r] = th[r] = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c) {
+        const __m512i lo = _mm512_and_si512(P[8 * pp + c], f4), hi = _mm512_and_si512(_mm512_srli_epi32(P[8 * pp + c], 4), f4);
+        for (int r = 0; r < R; ++r) {
+          tl[r] = V512::dot(tl[r], lo, x[r] + 64 * p + 4 * c);
+          th[r] = V512::dot(th[r], hi, x[r] + 64 * p + 32 + 4 * c);
+        }
+      }
+      const __m512i sl = _mm512_load_si512(scm[2 * p]), sh = _mm512_load_si512(scm[2 * p + 1]);
+      for (int r = 0; r < R; ++r)
+        A[r] = _mm512_add_epi32(A[r], _mm512_add_epi32(_mm512_mullo_epi32(tl[r], sl), _mm512_mullo_epi32(th[r], sh)));
+    }
+  }
+}
+
+// AVX-512: two 32-value blocks of 16 weight rows made ready from the rows' bytes (the second block
+// repeats the first where the row has one block left: its steps are not used): the packed values
+// transposed, a dword of one row per lane, then split; d (and m) of the 16 rows gathered.
+template <int T>
+inline void repack_32x16(const uint8_t* const* rows, int64_t b, bool two, __m512i idx, const float* rs, __m512i* Tw,
+                         float (*dw)[16], float (*dm)[16]) {
+  constexpr int bytes = kind_of(T).bytes;
+  const int64_t o0 = T == ROW_I8 ? 4 + 32 * b : b * bytes, o1 = T == ROW_I8 ? o0 + (two ? 32 : 0) : o0 + (two ? bytes : 0);
+  if constexpr (T == ROW_I8) {
+    const __m512 s = _mm512_loadu_ps(rs);
+    _mm512_store_ps(dw[0], s);
+    _mm512_store_ps(dw[1], s);
+  } else {
+    for (int i = 0; i < 2; ++i) {
+      const __m512i H = _mm512_i32gather_epi32(idx, rows[0] + (i ? o1 : o0), 1);  // d, then m or values
+      _mm512_store_ps(dw[i], _mm512_cvtph_ps(_mm512_cvtepi32_epi16(H)));
+      _mm512_store_ps(dm[i], _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(H, 16))));
+    }
+  }
+  if constexpr (T == 8 || T == ROW_I8) {  // 32 signed bytes a block: + 128
+    const int q = T == 8 ? 2 : 0;
+    __m512i r[16];
+    for (int l = 0; l < 16; ++l)
+      r[l] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[l] + o0 + q))),
+                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[l] + o1 + q)), 1);
+    V512::transpose(r, Tw);
+    const __m512i flip = _mm512_set1_epi32(static_cast<int>(0x80808080u));
+    for (int s = 0; s < 16; ++s) Tw[s] = _mm512_xor_si512(Tw[s], flip);
+  } else {  // 16 bytes of nibbles a block (value j low, j + 16 high)
+    constexpr int q = T == 2 ? 2 : T == 3 ? 4 : T == 6 ? 6 : 8;
+    __m512i z[8], P[8];
+    for (int i = 0; i < 8; ++i) {
+      __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + o0 + q)));
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i] + o1 + q)), 1);
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i + 8] + o0 + q)), 2);
+      z[i] = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[i + 8] + o1 + q)), 3);
+    }
+    V512::transpose8(z, P);
+    const __m512i f4 = _mm512_set1_epi32(0x0F0F0F0F);
+    for (int i = 0; i < 2; ++i) {
+      __m512i* o = Tw + 8 * i;
+      for (int c = 0; c < 4; ++c) {
+        o[c] = _mm512_and_si512(P[4 * i + c], f4);
+        o[4 + c] = _mm512_and_si512(_mm512_srli_epi32(P[4 * i + c], 4), f4);
+      }
+      if constexpr (T == 6 || T == 7) {  // bit j of the block's 32-bit qh: 16 at value j
+        const __m512i QH = _mm512_i32gather_epi32(idx, rows[0] + (i ? o1 : o0) + (T == 6 ? 2 : 4), 1);
+        const __m512i at = _mm512_set_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0, 0x0C0C0C0C, 0x08080808, 0x04040404, 0,
+                                            0x0C0C0C0C, 0x08080808, 0x04040404, 0, 0x0C0C0C0C, 0x08080808, 0x04040404, 0);
+        const __m512i sixteen = _mm512_set1_epi8(16);
+        for (int st = 0; st < 8; ++st) {  // values 4 st .. 4 st + 3: qh's byte st / 2 in each of the dword's bytes, tested bit by bit
+          const __m512i b = _mm512_shuffle_epi8(QH, _mm512_add_epi8(at, _mm512_set1_epi8(static_cast<char>(st >> 1))));
+          const __mmask64 m = _mm512_test_epi8_mask(b, _mm512_set1_epi32(st & 1 ? static_cast<int>(0x80402010u) : 0x08040201));
+          o[st] = _mm512_mask_add_epi8(o[st], m, o[st], sixteen);
+        }
+      }
+    }
+  }
+}
 #endif
 
 // Products of one group of L weight rows (rows n0.., `valid` of them real) with every activation
@@ -663,6 +771,7 @@ struct Group {
   static constexpr int SB = k.bs > UNIT ? k.bs : UNIT;      // values unpacked at once
   static constexpr int BPS = SB / k.bs;                     // blocks in them
   static constexpr int RB = 4;
+  static constexpr int AHEAD = 2, LOC = 0;  // prefetch distance in units, and locality (measured on a Zen 4)
 
   const Acts& a;
   const Side& side;
@@ -703,6 +812,13 @@ struct Group {
         for (int i = 0; i < R; ++i) A[i] = P::add(A[i], P::mul(t[i], sc));
       }
     }
+    finish<R>(r0, b, A, dwv, dmv, acc);
+  }
+
+  // the float combination of rows r0 .. r0 + R of block b, from their integers A
+  template <int R>
+  inline void finish(int64_t r0, int64_t b, VI* A, const VF dwv, const VF dmv, float* acc) const {
+    const int64_t nb = a.nb;
     for (int i = 0; i < R; ++i) {
       const int64_t rb = (r0 + i) * nb + b;
       const uint32_t* pr = side.pairs.data() + rb * side.npairs;
@@ -751,16 +867,40 @@ struct Group {
     for (int64_t i = 0; i < R * L; ++i) acc[i] = 0.0f;
     for (int64_t b0 = 0; b0 < nb; b0 += BPS) {
       const int nbl = static_cast<int>(std::min<int64_t>(BPS, nb - b0));
-      // the rows' blocks two steps ahead, into cache while these compute
-      if (b0 + 2 * BPS < nb)
+      // the rows' blocks AHEAD steps on, into cache while these compute
+      if (b0 + AHEAD * BPS < nb)
         for (int l = 0; l < L; ++l) {
-          const char* p = reinterpret_cast<const char*>(block_at(T, rowp[l], b0 + 2 * BPS));
-          for (int c = 0; c < BPS * k.bytes; c += 64) __builtin_prefetch(p + c, 0, 0);
+          const char* p = reinterpret_cast<const char*>(block_at(T, rowp[l], b0 + AHEAD * BPS));
+          for (int c = 0; c < BPS * k.bytes; c += 64) __builtin_prefetch(p + c, 0, LOC);
         }
       bool fast = false;
 #if I8_VNNI512
+      if constexpr (std::is_same<P, V512>::value && T == 12) {
+        if (R <= 4) {  // Q4_K at a few rows: unpacked and dotted in registers
+          repack_k16<T, false>(rowp, b0, _mm512_load_si512(idx), Tw, scm, mpm, dw[0], dm[0]);
+          const int8_t* x[4];
+          VI A[4];
+          for (int i = 0; i < 4; ++i) {
+            x[i] = a.q.data() + std::min<int64_t>(i, R - 1) * a.K + b0 * 256;
+            A[i] = P::zero();
+          }
+          const int64_t off = b0 * k.bytes;
+          const VF dwv = P::fload(dw[0]), dmv = P::fload(dm[0]);
+          switch (R) {
+            case 4: q4k_fused<4>(rowp, off, x, scm, A); finish<4>(0, b0, A, dwv, dmv, acc); break;
+            case 3: q4k_fused<3>(rowp, off, x, scm, A); finish<3>(0, b0, A, dwv, dmv, acc); break;
+            case 2: q4k_fused<2>(rowp, off, x, scm, A); finish<2>(0, b0, A, dwv, dmv, acc); break;
+            default: q4k_fused<1>(rowp, off, x, scm, A); finish<1>(0, b0, A, dwv, dmv, acc); break;
+          }
+          continue;
+        }
+      }
       if constexpr (std::is_same<P, V512>::value && k.bs == 256) {
         repack_k16<T>(rowp, b0, _mm512_load_si512(idx), Tw, scm, mpm, dw[0], dm[0]);
+        fast = true;
+      }
+      if constexpr (std::is_same<P, V512>::value && k.bs == 32) {
+        repack_32x16<T>(rowp, b0, nbl == 2, _mm512_load_si512(idx), rs, Tw, dw, dm);
         fast = true;
       }
 #endif
