@@ -771,7 +771,6 @@ struct Group {
   static constexpr int SB = k.bs > UNIT ? k.bs : UNIT;      // values unpacked at once
   static constexpr int BPS = SB / k.bs;                     // blocks in them
   static constexpr int RB = 4;
-  static constexpr int AHEAD = 2, LOC = 0;  // prefetch distance in units, and locality (measured on a Zen 4)
 
   const Acts& a;
   const Side& side;
@@ -854,8 +853,12 @@ struct Group {
     }
   }
 
-  void run(const uint8_t* W, int64_t rbytes, int64_t n0, int valid, int64_t N, float* Y, uint8_t* U, float* acc) {
+  // `next`..`next_end`: the next group's bytes, to prefetch (null: none)
+  void run(const uint8_t* W, int64_t rbytes, int64_t n0, int valid, int64_t N, float* Y, uint8_t* U, float* acc, const char* next,
+           const char* next_end) {
     const int64_t nb = a.nb, R = a.R;
+    const int64_t steps = (nb + BPS - 1) / BPS;
+    const int64_t pf_step = next ? ((next_end - next) / steps + 64) & ~int64_t(63) : 0;
     const uint8_t* rowp[L];
     float rs[L];
     alignas(64) int32_t idx[L];
@@ -867,12 +870,12 @@ struct Group {
     for (int64_t i = 0; i < R * L; ++i) acc[i] = 0.0f;
     for (int64_t b0 = 0; b0 < nb; b0 += BPS) {
       const int nbl = static_cast<int>(std::min<int64_t>(BPS, nb - b0));
-      // the rows' blocks AHEAD steps on, into cache while these compute
-      if (b0 + AHEAD * BPS < nb)
-        for (int l = 0; l < L; ++l) {
-          const char* p = reinterpret_cast<const char*>(block_at(T, rowp[l], b0 + AHEAD * BPS));
-          for (int c = 0; c < BPS * k.bytes; c += 64) __builtin_prefetch(p + c, 0, LOC);
-        }
+      // the next group's rows (one stretch of memory) into cache a part per step while this group
+      // computes: a row of few blocks is too short a stream for the hardware to fetch ahead
+      if (next) {
+        const char* e = std::min(next + pf_step, next_end);
+        for (; next < e; next += 64) __builtin_prefetch(next, 0, 2);
+      }
       bool fast = false;
 #if I8_VNNI512
       if constexpr (std::is_same<P, V512>::value && T == 12) {
@@ -973,7 +976,9 @@ void run_simd(const uint8_t* W, int64_t N, int64_t K, const Acts& a, float* Y) {
     float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(accbuf.data()) + 63) & ~uintptr_t(63));
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n0 = g * L;
-      grp.run(W, rb, n0, static_cast<int>(std::min<int64_t>(L, N - n0)), N, Y, U.data(), acc);
+      const char* next = g + 1 < g1 ? reinterpret_cast<const char*>(W + (n0 + L) * rb) : nullptr;
+      const char* next_end = g + 1 < g1 ? reinterpret_cast<const char*>(W + std::min<int64_t>(n0 + 2 * L, N) * rb) : nullptr;
+      grp.run(W, rb, n0, static_cast<int>(std::min<int64_t>(L, N - n0)), N, Y, U.data(), acc, next, next_end);
     }
   });
 }
