@@ -30,10 +30,10 @@ def greedy_reference(rt, messages: list[dict], max_new_tokens: int) -> str:
 
 @pytest.mark.slow
 def test_readme_chat_demo(smollm2):
-    """`eagle2 chat --prompt "Hi" --max-new-tokens 32` as a user runs it (here without a TTY): the
-    answer is `generate`'s greedy answer, and the panel reports a tau and a speedup that are
+    """`eagle2 chat --exact --prompt "Hi" --max-new-tokens 32` as a user runs it (here without a
+    TTY): under --exact the answer is `generate`'s greedy answer, and the panel reports a tau and a speedup that are
     numbers in range. (One intra-op thread, as in this session, so the measured profile is found.)"""
-    p = subprocess.run([sys.executable, "-m", "eagle2_cli", "chat", "--prompt", "Hi", "--max-new-tokens", "32"],
+    p = subprocess.run([sys.executable, "-m", "eagle2_cli", "chat", "--exact", "--prompt", "Hi", "--max-new-tokens", "32"],
                        capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS=str(torch.get_num_threads())))
     assert p.returncode == 0, p.stderr
@@ -57,8 +57,14 @@ def test_compare_default_model_identical(tmp_path, smollm2, monkeypatch):
     real = runtime.load_target
     monkeypatch.setattr(runtime, "load_target", lambda name=None, **kw: smollm2.target if name is None else real(name, **kw))
     out = tmp_path / "c.json"
-    r = CliRunner().invoke(cli, ["compare", "--vanilla", "--limit", "2", "--max-new-tokens", "24", "--json", str(out)])
-    assert r.exit_code == 0, r.output + r.stderr
-    d = json.loads(out.read_text())
-    assert d["prompts"] == 2 and d["identical"] == 2
-    assert d["eagle2"]["tau"] >= 1.0 and d["settings"]["tree"]["budget"] == "auto", (d["eagle2"], d["settings"])
+    for exact in (True, False):
+        r = CliRunner().invoke(cli, ["compare", "--vanilla", "--limit", "2", "--max-new-tokens", "24", "--json", str(out)]
+                               + (["--exact"] if exact else []))
+        assert r.exit_code == 0, r.output + r.stderr
+        d = json.loads(out.read_text())
+        assert d["prompts"] == 2 and d["identical"] == 2
+        assert d["eagle2"]["tau"] >= 1.0 and d["settings"]["tree"]["budget"] == "auto", (d["eagle2"], d["settings"])
+        if exact:  # checked against generate
+            assert d["identical_to"] == "vanilla" and d["settings"]["arithmetic"] == "exact"
+        elif smollm2.arithmetic == "int8":  # checked against eagle2's plain decoding; generate (float32) only counted
+            assert d["identical_to"] == "plain" and d["settings"]["arithmetic"] == "int8" and "identical_to_generate" in d

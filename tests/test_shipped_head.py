@@ -36,10 +36,14 @@ def predicted_gain(acceptance_by_depth: list[float], mean_depth: float) -> float
 
 
 @pytest.mark.slow
-def test_shipped_head_default_decoder_is_lossless_and_drafts_well(smollm2):
+@pytest.mark.parametrize("arithmetic", ["int8", "exact"])
+def test_shipped_head_default_decoder_is_lossless_and_drafts_well(smollm2, arithmetic):
+    """In int8 (the default on this GGUF) every answer is eagle2's own plain decoding's, bitwise;
+    under --exact it is Hugging Face `generate`'s (the dequantized float32 model)."""
     import torch
 
-    from eagle2_core import GenerationSettings
+    from eagle2_core import GenerationSettings, rowgemm
+    from eagle2_core.methods import BatchedEagle
     from eagle2_core.datasets import dataset_items
     from eagle2_core.events import Summary
     from eagle2_core.loading import packaged_head_path
@@ -52,15 +56,23 @@ def test_shipped_head_default_decoder_is_lossless_and_drafts_well(smollm2):
     rt = dataclasses.replace(smollm2, _decoders={})  # a decoder of this test's own (the budget learns from its cycles)
     assert rt.draft_name == folder and not rt.head_is_random  # no --draft: the shipped head
     assert rt.tree.budget == "auto"  # the CPU default, not a fixed tree
+    assert smollm2.arithmetic == ("int8" if rowgemm.have_int8() else "exact")
+    if arithmetic == "int8" and not rowgemm.have_int8():
+        pytest.skip("no int8 kernels built here")
+    rowgemm.set_arithmetic(arithmetic)  # the fixture restores the runtime's for the next test
     dec, model = rt.eagle(sources=("head",)), rt.model  # the head alone: what its held-out acceptance predicts
+    plain = BatchedEagle(rt, 1, 1)
     eos = sorted(model_eos_ids(model, rt.tokenizer))
     total = Summary()
     for item in dataset_items("mt-bench")[:N_PROMPTS]:
         ids = rt.encode(item.messages)
         out, s = dec.generate(ids, GenerationSettings(max_new_tokens=MAX_NEW))
-        with torch.no_grad():  # Hugging Face's own greedy decoding, stopping at the same end tokens
-            ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
-                                 max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=eos[0])[0, len(ids):].tolist()
+        if arithmetic == "int8":  # eagle2's plain decoding in the same arithmetic
+            ref = plain.generate(ids, GenerationSettings(max_new_tokens=MAX_NEW))[0]
+        else:
+            with torch.no_grad():  # Hugging Face's own greedy decoding, stopping at the same end tokens
+                ref = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
+                                     max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=eos[0])[0, len(ids):].tolist()
         assert out == ref, (item.id, out, ref)
         total.merge(s)
     mean_depth = total.depth_sum / total.cycles
