@@ -43,14 +43,18 @@ def random_blocks(n: int, k: int, qtype: int, rng: np.random.Generator) -> torch
     return torch.from_numpy(raw.reshape(n, -1))
 
 
-def median_ms(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
+def interleaved_ms(fns, repeat: int) -> list[tuple[float, float]]:
+    """(median, min) ms of each function, timed in turns (a load that comes and goes on a shared
+    machine falls on all of them alike)."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    times = [[] for _ in fns]
+    for _ in range(repeat):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - t0)
+    return [(statistics.median(t) * 1e3, min(t) * 1e3) for t in times]
 
 
 def main() -> None:
@@ -69,6 +73,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f"torch threads {torch.get_num_threads()}; int8 paths {mod.int8_paths()} (running {args.path or 'best'}); {native.status()}")
     head = "".join(f"{r:>8}" for r in rows)
+    print("median ms (min ms in brackets under it); ratios: median k rows / median one row")
     print(f"{'model':5} {'out x in':>12} {'type':5} {'kernel':6} {'MB':>6} |{head} | ratios k/1")
     for model, shapes in SHAPES.items():
         if args.only and model != args.only:
@@ -76,12 +81,16 @@ def main() -> None:
         for n, k, qtype in shapes:
             w = random_blocks(n, k, qtype, rng)
             xs = {r: torch.randn(r, k) for r in rows}
-            for name, fn in (("int8", lambda x: mod.int8_linear(x, w, qtype, None, args.path)),
-                             ("f32blk", lambda x: mod.block_linear(x, w, qtype, None))):
-                ms = [median_ms(lambda: fn(xs[r]), args.repeat) for r in rows]
-                ratios = " ".join(f"{m / ms[0]:.2f}" for m in ms)
-                cells = "".join(f"{m:8.3f}" for m in ms)
+            res = {r: interleaved_ms([lambda r=r: mod.int8_linear(xs[r], w, qtype, None, args.path),
+                                      lambda r=r: mod.block_linear(xs[r], w, qtype, None)], args.repeat) for r in rows}
+            for i, name in enumerate(("int8", "f32blk")):
+                med = [res[r][i][0] for r in rows]
+                low = [res[r][i][1] for r in rows]
+                ratios = " ".join(f"{m / med[0]:.2f}" for m in med)
+                cells = "".join(f"{m:8.3f}" for m in med)
+                mins = "".join(f"{m:8.3f}" for m in low)
                 print(f"{model:5} {n:>6}x{k:<5} {BLOCK[qtype][2]:5} {name:6} {w.numel() / 1e6:6.1f} |{cells} | {ratios}", flush=True)
+                print(f"{'':5} {'':12} {'':5} {'(min)':6} {'':6} |{mins} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #include <c10/util/Half.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -649,6 +650,7 @@ inline void repack_k16(const uint8_t* const* rows, int64_t b, __m512i idx, __m51
       _mm512_store_si512(mpm[2 * q], _mm512_or_si512(_mm512_and_si512(v[0], m16), _mm512_slli_epi32(v[1], 16)));
       _mm512_store_si512(mpm[2 * q + 1], _mm512_or_si512(_mm512_and_si512(v[2], m16), _mm512_slli_epi32(v[3], 16)));
     }
+    if constexpr (!VALUES) return;
     const __m512i m33 = _mm512_set1_epi32(0x33333333);
     __m512i QH[16];
     V512::transpose(rows, off + 128, QH);  // qh: dwords 0-7 the first 128 values, 8-15 the second
@@ -692,6 +694,44 @@ inline void q4k_fused(const uint8_t* const* rows, int64_t off, const int8_t* con
       const __m512i sl = _mm512_load_si512(scm[2 * p]), sh = _mm512_load_si512(scm[2 * p + 1]);
       for (int r = 0; r < R; ++r)
         A[r] = _mm512_add_epi32(A[r], _mm512_add_epi32(_mm512_mullo_epi32(tl[r], sl), _mm512_mullo_epi32(th[r], sh)));
+    }
+  }
+}
+
+// Q6_K at up to 4 activation rows, the same way: each step's values assembled and dotted at once.
+template <int R>
+inline void q6k_fused(const uint8_t* const* rows, int64_t off, const int8_t* const* x, int32_t (*scm)[16], __m512i* A) {
+  const __m512i f4 = _mm512_set1_epi32(0x0F0F0F0F), m33 = _mm512_set1_epi32(0x33333333);
+  __m512i QH[16];
+  V512::transpose(rows, off + 128, QH);
+  for (int h = 0; h < 2; ++h) {
+    __m512i P[16];
+    V512::transpose(rows, off + 64 * h, P);
+    for (int t = 0; t < 4; ++t) {  // values 128 h + 32 t + 4 c: sub-blocks 8 h + 2 t (c < 4) and the next
+      __m512i acc0[R], acc1[R];
+      for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c) {
+        const __m512i q = QH[8 * h + c];
+        __m512i w;
+        switch (t) {
+          case 0: w = _mm512_ternarylogic_epi32(P[c], _mm512_slli_epi32(_mm512_and_si512(q, m33), 4), f4, 0xE4); break;
+          case 1: w = _mm512_ternarylogic_epi32(P[8 + c], _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(q, 2), m33), 4), f4, 0xE4); break;
+          case 2: w = _mm512_ternarylogic_epi32(_mm512_srli_epi32(P[c], 4), _mm512_and_si512(q, m33), f4, 0xE4); break;
+          default: w = _mm512_ternarylogic_epi32(_mm512_srli_epi32(P[8 + c], 4), _mm512_and_si512(_mm512_srli_epi32(q, 2), m33), f4, 0xE4); break;
+        }
+        const int8_t* xs = nullptr;
+        for (int r = 0; r < R; ++r) {
+          xs = x[r] + 128 * h + 32 * t + 4 * c;
+          if (c < 4)
+            acc0[r] = V512::dot(acc0[r], w, xs);
+          else
+            acc1[r] = V512::dot(acc1[r], w, xs);
+        }
+      }
+      const int j = 8 * h + 2 * t;
+      const __m512i s0 = _mm512_load_si512(scm[j]), s1 = _mm512_load_si512(scm[j + 1]);
+      for (int r = 0; r < R; ++r)
+        A[r] = _mm512_add_epi32(A[r], _mm512_add_epi32(_mm512_mullo_epi32(acc0[r], s0), _mm512_mullo_epi32(acc1[r], s1)));
     }
   }
 }
@@ -878,8 +918,8 @@ struct Group {
       }
       bool fast = false;
 #if I8_VNNI512
-      if constexpr (std::is_same<P, V512>::value && T == 12) {
-        if (R <= 4) {  // Q4_K at a few rows: unpacked and dotted in registers
+      if constexpr (std::is_same<P, V512>::value && (T == 12 || T == 14)) {
+        if (R <= 4) {  // Q4_K and Q6_K at a few rows: unpacked and dotted in registers
           repack_k16<T, false>(rowp, b0, _mm512_load_si512(idx), Tw, scm, mpm, dw[0], dm[0]);
           const int8_t* x[4];
           VI A[4];
@@ -889,11 +929,19 @@ struct Group {
           }
           const int64_t off = b0 * k.bytes;
           const VF dwv = P::fload(dw[0]), dmv = P::fload(dm[0]);
+          auto fused = [&](auto rows_c) {
+            constexpr int RR = decltype(rows_c)::value;
+            if constexpr (T == 12)
+              q4k_fused<RR>(rowp, off, x, scm, A);
+            else
+              q6k_fused<RR>(rowp, off, x, scm, A);
+            finish<RR>(0, b0, A, dwv, dmv, acc);
+          };
           switch (R) {
-            case 4: q4k_fused<4>(rowp, off, x, scm, A); finish<4>(0, b0, A, dwv, dmv, acc); break;
-            case 3: q4k_fused<3>(rowp, off, x, scm, A); finish<3>(0, b0, A, dwv, dmv, acc); break;
-            case 2: q4k_fused<2>(rowp, off, x, scm, A); finish<2>(0, b0, A, dwv, dmv, acc); break;
-            default: q4k_fused<1>(rowp, off, x, scm, A); finish<1>(0, b0, A, dwv, dmv, acc); break;
+            case 4: fused(std::integral_constant<int, 4>{}); break;
+            case 3: fused(std::integral_constant<int, 3>{}); break;
+            case 2: fused(std::integral_constant<int, 2>{}); break;
+            default: fused(std::integral_constant<int, 1>{}); break;
           }
           continue;
         }
