@@ -27,7 +27,12 @@
 // maddubs + madd on AVX2) adds 4 products into each of the L weight rows' sums. So each weight
 // block is unpacked once for all activation rows, no horizontal sums are needed, and the float
 // combination runs on L outputs at once. The stored values are the unsigned operand; offsets (-8,
-// -16, -32, Q8_0's +128) are taken back through the activation sums.
+// -16, -32, Q8_0's +128) are taken back through the activation sums. On AVX-512 the packed bytes
+// of the 16 rows are transposed as they are (4-bit values before they are split: half the
+// shuffles), and at up to 4 activation rows Q4_K and Q6_K are dotted straight from registers.
+// Costs (Zen 4, one thread; benchmarks/int8_rows_bench.py): a row's marginal cost is within ~15% of
+// the multiply pipes' floor (4 vpdpbusd + 1/2 vpmulld a 256-value block and row, each 1 a cycle
+// at 512 bits); the repacking, paid once per weight block, is most of a one-row product.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
