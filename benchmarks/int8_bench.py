@@ -12,8 +12,8 @@ resident weight bytes.
     python3 benchmarks/int8_bench.py --prompts 8 --max-new-tokens 64
     python3 benchmarks/int8_bench.py --model FOLDER --draft HEAD
 
-Default model: the embedded SmolLM2's float32 copy in eagle2's cache (its GGUF dequantized once),
-with its shipped head.
+Default model: the embedded SmolLM2, its GGUF dequantized into a float32 folder for the run's
+length, with its shipped head.
 """
 from __future__ import annotations
 
@@ -31,13 +31,21 @@ from batch_bench import cpu_name  # noqa: E402
 
 
 def default_folder() -> str:
-    """The float32 safetensors copy of the embedded GGUF (made on first load)."""
-    from eagle2_core import loading
+    """A float32 Hugging Face folder of the embedded GGUF, for this run only: eagle2 loads GGUFs
+    from their own file and keeps no float32 copy, but `--load-in-8bit` quantizes float weights."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from eagle2_core import ggufload, loading
 
     where, gguf = loading.resolve_model(None)
-    folder = loading._gguf_cache_folder(where, gguf)
-    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
-        loading.load_target(None, dtype="float32", device="cpu")  # converts it
+    config, parsed, tok = ggufload.read_metadata(where, gguf, loading.cache_dir())
+    model, _ = ggufload.build_model(os.path.join(where, gguf), config, parsed, torch.float32, "floats")
+    folder = tempfile.mkdtemp(prefix="int8-bench-smollm2-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
     return folder
 
 
@@ -46,7 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--file", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "mt16.jsonl"))
-    ap.add_argument("--model", default=None, help="a Hugging Face folder (default: the embedded SmolLM2's float32 copy)")
+    ap.add_argument("--model", default=None, help="a Hugging Face folder (default: the embedded SmolLM2, dequantized for the run)")
     ap.add_argument("--draft", default=None, help="eagle2's head (default: SmolLM2's shipped one)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -6,19 +6,12 @@ local folders. Checkpoints load with safetensors or `torch.load(weights_only=Tru
 """
 from __future__ import annotations
 
-import functools
-import hashlib
 import importlib.util
-import json
 import os
-import re
-import shutil
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from . import atomic
 from .headfiles import load_head_folder
 
 # Published heads for known targets (SafeAILab's README), so `--model` alone suffices. Where a
@@ -74,7 +67,7 @@ _UNUSABLE_CACHES: set[str] = set()  # said once per process each
 
 
 def cache_dir() -> str:
-    """The cache folder (converted GGUFs, cost profiles, chat history), created if missing.
+    """The cache folder (GGUF configs and tokenizers, cost profiles, chat history), created if missing.
 
     The cache only saves time, so a folder that cannot be created or written (EAGLE2_CACHE under
     a file, a read-only place) is no reason to stop: one warning says nothing will be cached, and
@@ -169,98 +162,31 @@ def resolve_model(name: str | None) -> tuple[str, str | None]:
     return name, None
 
 
-def _gguf_cache_folder(folder: str, gguf: str) -> str:
+def _load_gguf(folder: str, gguf: str, dtype: torch.dtype, device: str = "cpu", attn_implementation: str = "sdpa",
+               blocks_only: bool = False):
+    """(model, tokenizer, folder, bytes of blocks) for a GGUF file, built from the file tensor by
+    tensor (ggufload.py), never as a whole float32 model and with no copy of its weights written.
+    On a CPU in float32 with the native kernels, the weights of block types are held as the file's
+    own blocks (EAGLE2_BLOCKS=keep: float32 beside them; EAGLE2_BLOCKS=0: float32 alone);
+    elsewhere each tensor is dequantized and cast to `dtype` at once."""
+    import struct
+
+    from . import ggufload, native
+
     path = os.path.join(folder, gguf)
-    st = os.stat(path)
-    key = hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    return os.path.join(cache_dir(), "gguf", f"{os.path.splitext(gguf)[0]}-{key}")
-
-
-@contextmanager
-def _quiet_gguf_bar():
-    """transformers dequantizes a GGUF under a tqdm bar of its own, which its progress-bar switch
-    (quiet_transformers) does not reach. Once per GGUF it was tolerable; without a cache every run
-    converts, and the bar would be the only noise besides the one warning (EAGLE2_DEBUG keeps it)."""
+    setting = os.environ.get("EAGLE2_BLOCKS", "1")
+    mode = "floats"
+    if torch.device(device).type == "cpu" and dtype == torch.float32 and setting != "0" and native.module() is not None:
+        mode = "keep" if setting == "keep" and not blocks_only else "blocks"
     try:
-        from transformers import modeling_gguf_pytorch_utils as gguf_utils
-    except ImportError:
-        gguf_utils = None
-    bar = getattr(gguf_utils, "tqdm", None)
-    if bar is None or os.environ.get("EAGLE2_DEBUG"):
-        yield
-        return
-    gguf_utils.tqdm = functools.partial(bar, disable=True)
-    try:
-        yield
-    finally:
-        gguf_utils.tqdm = bar
-
-
-def _tied_key_mapping(folder: str) -> dict[str, str] | None:
-    """Names for from_pretrained's `key_mapping` under which a converted GGUF's tied weights load.
-
-    safetensors keeps one name of a tensor shared by two parameters, and our conversion kept the
-    output one (`lm_head.weight`). transformers fills a tied pair from its input side (the
-    embedding) and treats that side as missing: it first fills the embedding with random values
-    (a whole float32 vocabulary table, 113 MB on SmolLM2, the largest thing a warm load touched),
-    then ties it away. Loaded under the embedding's name, nothing is missing and nothing is drawn.
-    None where the file already has both names or the model ties nothing."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    from .quantization import safetensors_index
-
-    try:
-        config = AutoConfig.from_pretrained(folder)
-        tied = getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_tied_weights_keys", None)
-    except (KeyError, OSError, ValueError):
-        return None
-    if not isinstance(tied, dict) or not getattr(config.get_text_config(), "tie_word_embeddings", False):
-        return None
-    keys = safetensors_index(folder)
-    mapping = {f"^{re.escape(out)}$": source for out, source in tied.items() if out in keys and source not in keys}
-    return mapping or None
-
-
-def _load_gguf(folder: str, gguf: str, dtype: torch.dtype):
-    """Dequantize a GGUF once, then reuse the safetensors copy under the cache folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    cached = _gguf_cache_folder(folder, gguf)
-    if os.path.isfile(os.path.join(cached, "model.safetensors")):
-        tok = AutoTokenizer.from_pretrained(cached)
-        model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype, key_mapping=_tied_key_mapping(cached))
-        return model, tok, cached
-    try:
-        with _quiet_gguf_bar():
-            tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
-    except (ValueError, OSError, KeyError, IndexError, EOFError, TypeError) as e:
-        # numpy's reshape of a cut tensor, a bad magic, a missing metadata key: all mean the file is not whole
-        raise LoadError(f"{os.path.join(folder, gguf)}: the GGUF file is truncated or corrupt ({str(e).splitlines()[0][:80]})") from None
-    # Two first runs may convert at once: each writes a folder of its own and renames it into
-    # place; the second rename finds the first's folder and drops its copy (same content).
-    tmp = atomic.temp_sibling(cached)
-    try:
-        from safetensors.torch import save_model
-
-        atomic.clean_stale(cached)  # folders of converting runs that were killed
-        os.makedirs(tmp)
-        cfg = model.config.to_dict()
-        cfg.pop("quantization_config", None)
-        cfg["dtype"] = "float32"
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=2)
-        save_model(model, os.path.join(tmp, "model.safetensors"))
-        tok.save_pretrained(tmp)
-        model.generation_config.save_pretrained(tmp)
-        atomic.publish_dir(tmp, cached)
-    except OSError:  # no cache (cache_dir warned) or a full disk: only costs speed, this run loads from the GGUF
-        shutil.rmtree(tmp, ignore_errors=True)  # a half-written copy would hold space and never be used
-    if os.path.isfile(os.path.join(cached, "model.safetensors")):
-        del model
-        return AutoModelForCausalLM.from_pretrained(cached, dtype=dtype, key_mapping=_tied_key_mapping(cached)), tok, cached
-    return model.to(dtype), tok, folder
+        config, parsed, tok = ggufload.read_metadata(folder, gguf, cache_dir())
+        model, blocks = ggufload.build_model(path, config, parsed, dtype, mode, device, attn_implementation)
+    except NotImplementedError as e:  # a tensor type gguf-py cannot dequantize
+        raise LoadError(f"{path}: {str(e).splitlines()[0][:120]}") from None
+    except (ValueError, OSError, KeyError, IndexError, EOFError, TypeError, struct.error) as e:
+        # a cut tensor, a bad magic, a missing metadata key: all mean the file is not whole
+        raise LoadError(f"{path}: the GGUF file is truncated or corrupt ({str(e).splitlines()[0][:80]})") from None
+    return model, tok, folder, blocks
 
 
 def load_target(name: str | None = None, dtype: str = "auto", device: str = "auto", device_map: str | None = None,
@@ -282,12 +208,13 @@ def load_target(name: str | None = None, dtype: str = "auto", device: str = "aut
                             "drop --dtype or use --dtype float32")
         if native.module() is None:
             raise LoadError(f"--load-in-{cpu_bits}bit on a CPU needs eagle2's native kernels, which are {native.status()}")
+    blocks = 0  # bytes of the GGUF's blocks the weights are held as
     try:
         if gguf:
             if ((load_in_8bit or load_in_4bit) and not cpu_bits) or device_map:
                 raise LoadError("GGUF targets load dequantized on one device; drop --load-in-8bit/4bit and --device-map"
                                 + ("" if device_map else " (or run on the CPU, where eagle2 quantizes weights itself)"))
-            model, tok, source = _load_gguf(where, gguf, torch_dtype)
+            model, tok, source, blocks = _load_gguf(where, gguf, torch_dtype, dev, attn_implementation, blocks_only=bool(cpu_bits))
         else:
             kw: dict = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code, "attn_implementation": attn_implementation}
             if (load_in_8bit or load_in_4bit) and not cpu_bits:
@@ -314,10 +241,9 @@ def load_target(name: str | None = None, dtype: str = "auto", device: str = "aut
         model.to(dev)
     model.eval()
     model.requires_grad_(False)
-    blocks = attach_gguf_blocks(model, os.path.join(where, gguf)) if gguf and dev == "cpu" and torch_dtype == torch.float32 else 0
     notes = []
     if cpu_bits:
-        quantized, kept = quantize_weights(model, cpu_bits, source if os.path.isdir(source) else None)
+        quantized, kept = quantize_weights(model, cpu_bits, source if os.path.isdir(source) and not gguf else None)
         blocks += quantized
         what = ("int8 weights, one float32 scale per output row" if cpu_bits == 8 else "4-bit weights in blocks of 32 with an fp16 scale (GGML's Q4_0)")
         if quantized:
@@ -375,27 +301,37 @@ def quantize_weights(model, bits: int, folder: str | None = None) -> tuple[int, 
     return made, kept
 
 
-def drop_floats(model) -> tuple[int, int]:
-    """A CPU float32 target whose linears (and embedding) have blocks keeps the blocks only: each
-    such weight's float32 values go (rowgemm.make_floatless), its module turning into the
-    Floatless kind that rebuilds the floats for forwards other than ours (`generate`), and the
-    floats the rest of the model holds are copied out of any file mapping they share with the
-    dropped ones (else the mapping, and every page of it read, would stay). EAGLE2_BLOCKS=keep
-    keeps the floats (the measured plan then picks per weight). An embedding subclass (Gemma 3
-    scales its rows) becomes itself over FloatlessEmbedding, checked against its own output first;
-    a weight that a module of another kind also holds keeps its floats. Returns the float32 bytes
-    the weights now held as blocks only would take."""
+def _small_lookup(mod, ids: torch.Tensor) -> torch.Tensor:
+    """An embedding module's own forward over a table of only the rows `ids` (their float values,
+    rebuilt where the weight is held as blocks), looked up in order: what it gives for `ids`,
+    without its whole float table."""
+    import copy
+
     from . import rowgemm
 
-    def kind_of(mod):
-        if type(mod) is torch.nn.Linear:
-            return rowgemm.FloatlessLinear
-        if isinstance(mod, torch.nn.Embedding) and not isinstance(mod, rowgemm.FloatlessEmbedding) and mod.max_norm is None:
-            return rowgemm.floatless_embedding_kind(type(mod))
-        return None
+    small = copy.copy(mod)  # its class, buffers (a scale) and settings; a table of its own
+    small._parameters = dict(mod._parameters)
+    small._parameters["weight"] = torch.nn.Parameter(rowgemm.float_rows(mod.weight, ids), requires_grad=False)
+    small.num_embeddings, small.padding_idx = len(ids), None  # padding only matters to gradients
+    return small(torch.arange(len(ids)))
+
+
+def drop_floats(model) -> int:
+    """A CPU float32 target whose linears (and embedding) have blocks keeps the blocks only: each
+    such weight's float32 values go (rowgemm.make_floatless; a GGUF loaded by ggufload.py holds them
+    so from the start), its module turning into the Floatless kind that rebuilds the floats for
+    forwards other than ours (`generate`), and the floats the rest of the model holds are copied out
+    of any file mapping they share with the dropped ones (else the mapping, and every page of it
+    read, would stay). EAGLE2_BLOCKS=keep keeps the floats (the measured plan then picks per
+    weight). An embedding subclass (Gemma 3 scales its rows) becomes itself over
+    FloatlessEmbedding, checked against its own output over the same rows first; a weight that a
+    module of another kind also holds keeps its floats. Returns the float32 bytes the weights now
+    held as blocks only would take."""
+    from . import rowgemm
+    from .ggufload import floatless_kind
 
     def known(mod) -> bool:  # converted here, or already
-        return kind_of(mod) is not None or isinstance(mod, (rowgemm.FloatlessLinear, rowgemm.FloatlessEmbedding))
+        return floatless_kind(mod) is not None or isinstance(mod, (rowgemm.FloatlessLinear, rowgemm.FloatlessEmbedding))
 
     # A weight another module also holds (a tied embedding of a class we do not convert) keeps its floats
     held = {}
@@ -406,7 +342,7 @@ def drop_floats(model) -> tuple[int, int]:
     done = set()
     probes = {}  # embedding subclasses: their output before, to check the converted forward against
     for mod in model.modules():
-        kind = kind_of(mod)
+        kind = floatless_kind(mod)
         if kind is None:
             continue
         w = mod.weight
@@ -414,11 +350,13 @@ def drop_floats(model) -> tuple[int, int]:
         if bw is None and not rowgemm.floatless(w):
             continue
         if not all(known(m) for m in held.get(id(w), [])):
+            if rowgemm.floatless(w):  # held as blocks from the load: the floats come back
+                rowgemm.make_floatful(w)
             continue
-        if kind is not rowgemm.FloatlessEmbedding and isinstance(mod, torch.nn.Embedding) and not rowgemm.floatless(w):
+        if kind is not rowgemm.FloatlessEmbedding and isinstance(mod, torch.nn.Embedding):
             ids = torch.arange(min(4, mod.num_embeddings))
             with torch.no_grad():
-                probes[mod] = (type(mod), ids, mod(ids))
+                probes[mod] = (type(mod), ids, _small_lookup(mod, ids))
         if id(w) not in done:
             done.add(id(w))
             dropped += w.numel() * 4
@@ -442,30 +380,6 @@ def drop_floats(model) -> tuple[int, int]:
                     p.data = p.data.clone()
         rowgemm.trim_heap()
     return dropped
-
-
-def attach_gguf_blocks(model, path: str) -> int:
-    """A GGUF target on a CPU in float32: each linear weight's blocks from the file beside it
-    (rowgemm.attach_blocks), so the measured plan can read them with the block kernel, whose
-    products are bitwise those over the float32 weights (issue 41). Returns their bytes.
-    EAGLE2_BLOCKS=0 keeps the float32 path alone (to measure one against the other)."""
-    if os.environ.get("EAGLE2_BLOCKS", "1") == "0":
-        return 0
-    from . import native, rowgemm
-    from .ggufblocks import read_blocks
-
-    if native.module() is None:
-        return 0
-    cfg = model.config
-    blocks, _ = read_blocks(path, cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    total = 0
-    for name, bw in blocks.items():
-        w = params.get(name)
-        if w is not None and tuple(w.shape) == (bw.out_features, bw.in_features) and w.dtype == torch.float32:
-            rowgemm.attach_blocks(w, bw)
-            total += bw.nbytes
-    return total
 
 
 def packaged_head_path(key: str) -> str | None:

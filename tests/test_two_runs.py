@@ -104,53 +104,51 @@ def test_is_built_looks_where_the_build_goes(monkeypatch, tmp_path):
 
 
 # -- the cache two first runs fill at once ---------------------------------------------------
+# A GGUF's config and tokenizer, parsed from its metadata, are what its first load keeps (never its
+# weights); each process writes its own folder, and both reach the writing at the same moment.
 CONVERT = textwrap.dedent("""
     import os, sys, time
-    import torch, transformers, safetensors.torch
-    from eagle2_core import loading
-    tiny, gguf_dir, ready = sys.argv[1], sys.argv[2], sys.argv[3]
-    real_model, real_tok = transformers.AutoModelForCausalLM.from_pretrained, transformers.AutoTokenizer.from_pretrained
-    # the GGUF reading is transformers' (tested elsewhere); here it hands back the tiny model
-    def model(where, **kw):
-        return real_model(tiny if kw.pop("gguf_file", None) else where, **kw)
-    def tok(where, **kw):
-        return real_tok(tiny if kw.pop("gguf_file", None) else where, **kw)
-    transformers.AutoModelForCausalLM.from_pretrained, transformers.AutoTokenizer.from_pretrained = model, tok
-    real_save = safetensors.torch.save_model
-    def save_model(m, path, **kw):  # both processes write at the same moment
+    from eagle2_core import ggufload, loading
+    path, ready = sys.argv[1], sys.argv[2]
+    real = ggufload._write_meta
+    def write(where, parsed, tok):
         open(os.path.join(ready, str(os.getpid())), "w").close()
         end = time.time() + 60
         while len(os.listdir(ready)) < 2 and time.time() < end:
             time.sleep(0.02)
-        return real_save(m, path, **kw)
-    safetensors.torch.save_model = save_model
-    m, t, source = loading._load_gguf(gguf_dir, "tiny.gguf", torch.float32)
-    print(source)
+        return real(where, parsed, tok)
+    ggufload._write_meta = write
+    folder, name = os.path.split(path)
+    config, parsed, tok = ggufload.read_metadata(folder, name, loading.cache_dir())
+    print(ggufload.meta_folder(folder, name, loading.cache_dir()))
 """)
 
 
-def test_two_first_runs_fill_one_empty_cache(tmp_path, tiny_model_dir):
-    """Two conversions of one GGUF into one empty cache folder, writing at the same moment: both
-    succeed, the cache holds one whole copy, and no temporary is left."""
-    cache, ready, gguf_dir = tmp_path / "cache", tmp_path / "ready", tmp_path / "g"
+def test_two_first_runs_fill_one_empty_cache(tmp_path):
+    """Two first loads of one GGUF into one empty cache folder, writing at the same moment: both
+    succeed, the cache holds one whole copy of the metadata, and no temporary is left."""
+    from test_gguf_load import write_tiny_gguf
+
+    cache, ready = tmp_path / "cache", tmp_path / "ready"
     ready.mkdir()
-    gguf_dir.mkdir()
-    (gguf_dir / "tiny.gguf").write_bytes(b"stand-in")
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(str(path), "llama", {}, tied=True, hidden=64)
     env = dict(os.environ, EAGLE2_CACHE=str(cache), PYTHONPATH=str(ROOT))
-    procs = [subprocess.Popen([sys.executable, "-c", CONVERT, tiny_model_dir, str(gguf_dir), str(ready)], env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", CONVERT, str(path), str(ready)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
     assert len(os.listdir(ready)) == 2  # they did write at once
-    folders = os.listdir(cache / "gguf")
+    folders = os.listdir(cache / "gguf-meta")
     assert len(folders) == 1 and folders[0].startswith("tiny-"), folders  # one copy, no temporaries
-    assert {o[0].strip() for o in outs} == {str(cache / "gguf" / folders[0])}  # both load the cached copy
+    assert {o[0].strip() for o in outs} == {str(cache / "gguf-meta" / folders[0])}
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
-    whole = cache / "gguf" / folders[0]
+    whole = cache / "gguf-meta" / folders[0]
     AutoTokenizer.from_pretrained(whole)
-    AutoModelForCausalLM.from_pretrained(whole)
+    AutoConfig.from_pretrained(whole)
+    assert not [f for f in os.listdir(whole) if f.endswith((".safetensors", ".bin"))]
 
 
 def test_temporaries_of_killed_writers_are_cleaned_and_live_ones_kept(tmp_path):
