@@ -141,13 +141,16 @@ CHILDREN = {"llama-answer": child_llama_answer, "llama-steps": child_llama_steps
 
 # -- the parent: children under a watch ------------------------------------------------------------
 def _tree_rss(pid: int) -> int:
-    """Resident bytes of pid and its descendants (a compiler or helper the engine starts counts too)."""
+    """Resident bytes of pid and its descendants (a compiler or helper the engine starts counts too):
+    the root's VmRSS, and each descendant's proportional share (Pss), since a forked child shows its
+    parent's pages as its own until it execs."""
     total, todo = 0, [pid]
     while todo:
         p = todo.pop()
         try:
-            with open(f"/proc/{p}/status") as f:
-                total += next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmRSS:")), 0)
+            field, name = ("VmRSS:", "status") if p == pid else ("Pss:", "smaps_rollup")
+            with open(f"/proc/{p}/{name}") as f:
+                total += next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith(field)), 0)
             for t in os.listdir(f"/proc/{p}/task"):
                 with open(f"/proc/{p}/task/{t}/children") as f:
                     todo += [int(c) for c in f.read().split()]
