@@ -174,11 +174,26 @@ class TensorFile:
                 raise ValueError(f"tensor {name} is cut short ({size - begin} of {length} bytes in the file)")
             self.tensors[name] = (tuple(reversed(dims)), qtype, begin, length)
 
+    def copied(self, name: str) -> np.ndarray:
+        """The tensor as `raw` gives it, but read into memory of its own rather than through the map:
+        for a tensor only copied from (llama's permuted q/k rows), whose mapped pages would otherwise
+        stay counted to the process beside the copy."""
+        shape, qtype, begin, length = self.tensors[name]
+        out = np.empty(length, dtype=np.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(begin)
+            if f.readinto(out) != length:
+                raise ValueError(f"tensor {name} is cut short")
+        return self._shaped(out, shape, qtype)
+
     def raw(self, name: str) -> np.ndarray:
         """The tensor as gguf-py's reader gives it: float types as floats, block types as uint8
         rows of blocks ([..., bytes a row])."""
         shape, qtype, begin, length = self.tensors[name]
-        data = self.map[begin: begin + length]
+        return self._shaped(self.map[begin: begin + length], shape, qtype)
+
+    @staticmethod
+    def _shaped(data: np.ndarray, shape: tuple, qtype: int) -> np.ndarray:
         item = _ITEMS.get(qtype)
         if item is not None:
             return data.view(item).reshape(shape)
@@ -279,8 +294,10 @@ def build_model(path: str, config, parsed: dict, dtype: torch.dtype, mode: str, 
                 and floatless_kind(owner[0]) is not None):
             try:
                 order = _row_order(processor, gname, shape[0], mapping)
-                raw = tensors.raw(gname)
-                blocks = torch.from_numpy(raw if order is None else np.ascontiguousarray(raw[order]))
+                if order is None:
+                    blocks = torch.from_numpy(tensors.raw(gname))
+                else:
+                    blocks = torch.from_numpy(np.ascontiguousarray(tensors.copied(gname)[order]))
                 bw = BlockWeight(blocks, qtype, BLOCK_SIZES[qtype][0], shape[1])
             except ValueError:  # the processor does more than move rows: dequantized below
                 bw = None
