@@ -29,7 +29,7 @@ from .treesettings import BATCH_DEPTH, BATCH_TOP_K, TreeSettings
 
 
 PROBE_MS = 3000  # what the whole verify grid may take before a first answer; past it, QUICK_* sizes
-QUICK_VERIFY_ROWS = (1, 2, 4, 8, 16)
+QUICK_VERIFY_ROWS = (1, 4, 16)
 QUICK_DRAFT_ROWS = (1, 4, 10)
 
 
@@ -92,10 +92,10 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
         one = _timed({1: verify_fn(1)}, 1)[1]
         lm_rows = LM_HEAD_ROWS
         if one * len(verify_rows) * (reps + 1) > PROBE_MS:
-            lm_rows = tuple(n for n in LM_HEAD_ROWS if n <= max(QUICK_VERIFY_ROWS))
+            lm_rows = tuple(n for n in LM_HEAD_ROWS if n in QUICK_VERIFY_ROWS)
             verify_rows = [n for n in QUICK_VERIFY_ROWS if n in verify_rows] or [1]
             draft_rows = [k for k in QUICK_DRAFT_ROWS if k in draft_rows] or list(draft_rows)[:1]
-            reps = 2
+            reps, stream = 2, None  # the stream floor (tune's figure) reads every weight: not before a first answer
         verify = _timed({n: verify_fn(n) for n in verify_rows} | ({"floor": stream} if stream else {}), reps)
         floor_ms = verify.pop("floor", None)
         # lm_head alone, as acceptance applies it (the product plan's kernel)
