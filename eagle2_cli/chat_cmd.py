@@ -69,6 +69,7 @@ class ChatApp:
         self.baseline = None       # vanilla Summary from the last baseline run
         self.baseline_when = ""
         self.vanilla_turns = []    # vanilla Summaries of --compare turns
+        self.baseline_due = False  # measure the start-up baseline after the first answer, which comes first
 
     # -- baselines ----------------------------------------------------------------------------
     def measure_baseline(self, when: str) -> None:
@@ -160,6 +161,12 @@ class ChatApp:
         self.conv.add_assistant(detok.text, summary, detok.ids, rt.tokenizer)
         if interrupted:
             self.err.print("[yellow]interrupted[/] (the partial answer stays in the conversation)")
+        elif self.baseline_due:
+            self.baseline_due = False
+            self.measure_baseline("start-up")
+            speedup, basis = self._basis(summary.tokens_per_s)
+            if speedup is not None:
+                self.err.print(f"[dim]this answer: speedup {speedup:.2f}x {basis}[/]", highlight=False)
 
     # -- commands -----------------------------------------------------------------------------
     def command(self, line: str) -> bool:
@@ -308,6 +315,9 @@ class ChatApp:
                 continue
 
 
+FLOATS_TOO_DEAR = 2e9  # float32 bytes a `generate` baseline may rebuild every step (a 1.7B model's: ~1 s a token)
+
+
 def key_bindings():
     """Enter sends; a trailing backslash, Esc+Enter or an open triple quote make a new line."""
     from prompt_toolkit.key_binding import KeyBindings
@@ -368,7 +378,12 @@ def chat(prompts, show_draft, compare_each, no_baseline, baseline_tokens, no_cal
         err.print(f"[dim]generation: {rt.generation_label()} (the model's generation_config, flags override)[/]", highlight=False)
     app = ChatApp(rt, out, err, show_draft=show_draft, compare=compare_each, baseline_tokens=calibration_tokens or baseline_tokens)
     if not (no_baseline or no_calibrate) and not compare_each:
-        app.measure_baseline("start-up")
+        if rt.target.floatless_bytes > FLOATS_TOO_DEAR:
+            # `generate` would rebuild every float32 weight from the blocks at every step
+            err.print(f"[dim]no vanilla baseline: `generate` would rebuild {rt.target.floatless_bytes / 1e9:.1f} GB of float32 "
+                      "weights every token here (/bench measures it anyway)[/]")
+        else:
+            app.baseline_due = True  # after the first answer: nothing is measured before it
     if prompts:
         app.run_lines(prompts)
     elif sys.stdin is not None and sys.stdin.isatty() and sys.stdout.isatty():
