@@ -107,21 +107,22 @@ def stacked(ts: list[torch.Tensor]) -> torch.Tensor:
     return fused
 
 
-def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _fuse(linears: list[torch.nn.Linear], parts: bool = True) -> tuple[torch.Tensor | list, torch.Tensor | None]:
     """One weight (and bias) for several linears read by the same input, their rows stacked; the
-    linears' parameters become views into it (`stacked`). Made once per body (`for_model` keeps it)."""
+    linears' parameters become views into it (`stacked`). Made once per body (`for_model` keeps it).
+    `parts`: weights held as blocks only stay apart, a list of them (`parts_product`)."""
+    if parts and all(rowgemm.floatless(m.weight) for m in linears):
+        # blocks only (views of a GGUF file's map): one product per part, each in its own type; a
+        # fused copy would hold every block twice in memory (the copy and the mapped pages it read)
+        with torch.no_grad():
+            bias = stacked([m.bias for m in linears]) if linears[0].bias is not None else None
+        return [m.weight for m in linears], bias
     blocks = [rowgemm.blocks_of(m.weight) for m in linears]  # a GGUF target's blocks (issue 41)
     if all(b is not None for b in blocks) and len({b.qtype for b in blocks}) > 1:
         common = common_type(b.qtype for b in blocks)  # parts of several types: widened exactly where one holds them all
         if common is not None:
             blocks = [widen(b, common) for b in blocks]
     same_type = all(b is not None for b in blocks) and len({b.qtype for b in blocks}) == 1
-    if not same_type and all(rowgemm.floatless(m.weight) for m in linears):
-        # blocks only, of types no one type holds exactly (Q4_K_M's Q4_K q/k beside a Q6_K v): one
-        # product per part, each in its own type, never a float32 copy of the parts
-        with torch.no_grad():
-            bias = stacked([m.bias for m in linears]) if linears[0].bias is not None else None
-        return [m.weight for m in linears], bias
     if same_type:  # one block weight for the fused product, the parts' blocks views into it (no second copy)
         fused_blocks = torch.cat([b.blocks for b in blocks])
         off, parts = 0, []
@@ -231,8 +232,8 @@ def _head_fused(head):
 
     got = _HEADS.get(head)
     if got is None or got[0] != key():
-        qkv, bias = _fuse(lins[:3])  # a head held as blocks (quantization.head_blocks) fuses its blocks
-        gate_up, _ = _fuse(lins[3:])
+        qkv, bias = _fuse(lins[:3], parts=False)  # a head held as blocks (quantization.head_blocks) fuses its blocks
+        gate_up, _ = _fuse(lins[3:], parts=False)
         got = _HEADS[head] = (key(), qkv, bias, gate_up)
     return got
 
