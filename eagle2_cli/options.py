@@ -164,7 +164,7 @@ def _options(max_new_tokens: int):
         o("--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, mps or auto."),
         o("--device-map", default=None, help="Accelerate device map for large targets, e.g. auto."),
         o("--load-in-8bit", is_flag=True, help="Quantize the target to 8 bits: on a CPU eagle2's weight-only int8 "
-          "(a float32 scale per row, float32 activations), on a GPU bitsandbytes' LLM.int8."),
+          "(a float32 scale per row; 8-bit activations in the products unless --exact), on a GPU bitsandbytes' LLM.int8."),
         o("--load-in-4bit", is_flag=True, help="Quantize the target to 4 bits: on a CPU eagle2's Q4_0 blocks "
           "(32 values, an fp16 scale), on a GPU bitsandbytes."),
         o("--trust-remote-code", is_flag=True, help="Allow custom modelling code from the hub."),

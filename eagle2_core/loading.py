@@ -204,8 +204,8 @@ def load_target(name: str | None = None, dtype: str = "auto", device: str = "aut
         from . import native
 
         if torch_dtype != torch.float32:
-            raise LoadError(f"--load-in-{cpu_bits}bit on a CPU is eagle2's weight-only {cpu_bits}-bit with float32 activations; "
-                            "drop --dtype or use --dtype float32")
+            raise LoadError(f"--load-in-{cpu_bits}bit on a CPU is eagle2's {cpu_bits}-bit blocks beside float32 activations "
+                            "(int8 in the products unless --exact); drop --dtype or use --dtype float32")
         if native.module() is None:
             raise LoadError(f"--load-in-{cpu_bits}bit on a CPU needs eagle2's native kernels, which are {native.status()}")
     blocks = 0  # bytes of the GGUF's blocks the weights are held as
@@ -247,10 +247,11 @@ def load_target(name: str | None = None, dtype: str = "auto", device: str = "aut
         blocks += quantized
         what = ("int8 weights, one float32 scale per output row" if cpu_bits == 8 else "4-bit weights in blocks of 32 with an fp16 scale (GGML's Q4_0)")
         if quantized:
-            notes.append(f"--load-in-{cpu_bits}bit on a CPU: eagle2's weight-only {cpu_bits}-bit ({what}; float32 activations), "
+            notes.append(f"--load-in-{cpu_bits}bit on a CPU: eagle2's {cpu_bits}-bit blocks ({what}), "
                          f"{blocks / 1e6:.0f} MB of weights" + (f", the GGUF's own blocks kept as they are ({kept / 1e6:.0f} MB)" if kept else "")
-                         + ("; its numbers differ from bitsandbytes' LLM.int8 (int8 activations), which GPUs keep" if cpu_bits == 8 else "")
-                         + "; exact against eagle2's plain decoding of this quantized model and `generate` over its rebuilt weights")
+                         + ", multiplied with 8-bit activations unless --exact (float32 activations, `generate`'s bits over the rebuilt weights)"
+                         + ("; its numbers differ from bitsandbytes' LLM.int8 (outlier columns in fp16), which GPUs keep" if cpu_bits == 8 else "")
+                         + "; speculation is exact against eagle2's plain decoding of this quantized model")
         else:
             notes.append(f"--load-in-{cpu_bits}bit on a CPU: this GGUF's weights already run from their own blocks "
                          f"({kept / 1e6:.0f} MB, {', '.join(sorted(block_types(model)))}); nothing left to quantize")

@@ -101,7 +101,7 @@ def test_8bit_target_identical_to_8bit_vanilla(tmp_path, tiny_lm, fitted_head):
     assert linears and all(type(m) is rowgemm.FloatlessLinear and rowgemm.floatless(m.weight) for m in linears)
     assert all(rowgemm.blocks_of(m.weight).qtype == ROW_I8 for m in linears)
     assert type(model.get_input_embeddings()) is rowgemm.FloatlessEmbedding
-    assert any("LLM.int8" in line and "weight-only 8-bit" in line for line in lt.notes)
+    assert any("LLM.int8" in line and "8-bit blocks" in line and "--exact" in line for line in lt.notes)
     n_float = sum(m.weight.shape[0] * m.weight.shape[1] for m in linears) + model.get_input_embeddings().weight.numel()
     assert lt.block_bytes < 0.3 * 4 * n_float and lt.floatless_bytes == 4 * n_float
     # the 8-bit model is the float32 model over scale * q
