@@ -7,7 +7,8 @@ block type (ggufblocks.BLOCK_SIZES) as views of the file's own blocks in a memor
 blocks, rowgemm.make_floatless), everything else dequantized by gguf-py and put through
 transformers' own per-architecture transform (its TensorProcessor), so that every value is
 bitwise what `from_pretrained` holds. Config and tokenizer come from transformers' metadata
-reading and are kept in eagle2's cache (the metadata parse takes seconds); weights never are.
+conversions (fed by one parse of the header of ours, ggufmeta.py, in place of its slow readers)
+and are kept in eagle2's cache; weights never are.
 """
 from __future__ import annotations
 
@@ -50,8 +51,8 @@ def read_metadata(folder: str, gguf: str, cache: str):
 
 
 def _read_metadata(folder: str, gguf: str, cache: str):
-    """The first load parses the metadata (transformers' reader: no tensor is read) and caches the
-    config and the tokenizer; later loads read the cache."""
+    """The first load parses the metadata (transformers' conversions, fed by one parse of ours: no
+    tensor is read) and caches the config and the tokenizer; later loads read the cache."""
     from transformers import AutoConfig, AutoTokenizer
 
     cached = meta_folder(folder, gguf, cache)
@@ -62,9 +63,10 @@ def _read_metadata(folder: str, gguf: str, cache: str):
             return AutoConfig.from_pretrained(cached), parsed, AutoTokenizer.from_pretrained(cached)
         except (OSError, ValueError):
             pass  # a damaged cache entry: read the file again
-    parsed = parse_config(os.path.join(folder, gguf))
-    with quiet_gguf():
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    with _served(os.path.join(folder, gguf)):
+        parsed = parse_config(os.path.join(folder, gguf))
+        with quiet_gguf():
+            tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
     tmp = atomic.temp_sibling(cached)
     published = False
     try:
@@ -78,6 +80,20 @@ def _read_metadata(folder: str, gguf: str, cache: str):
     if published:
         return AutoConfig.from_pretrained(cached), parsed, tok
     return config_of(parsed), parsed, tok
+
+
+def _served(path: str):
+    """transformers' GGUF readers answered from one parse of ours (ggufmeta: the same values, read
+    in a fraction of their time); a file that parse does not take is read by them as before."""
+    import contextlib
+
+    from . import ggufmeta
+
+    try:
+        meta = ggufmeta.parse(path)
+    except ggufmeta.Unusual:
+        return contextlib.nullcontext()
+    return ggufmeta.served(meta)
 
 
 def parse_config(path: str) -> dict:
