@@ -15,27 +15,11 @@ gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(native.module() is None, reason="eagle2's native code is not built here")
 
 T = gguf.GGMLQuantizationType
+from test_blocks import blocks_of  # noqa: E402  (random blocks of a type, with a real file's scales)
 # Q4_K_M's mix in a layer of "more bits": Q4_K q/k, Q6_K v and down; gate/up Q4_K beside Q5_K to
 # have a second mixed fusion; the lm_head Q6_K, the embedding Q8_0
 MIX = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q4_K", "gate_proj": "Q4_K", "up_proj": "Q5_K",
        "down_proj": "Q6_K", "lm_head": "Q6_K", "embed_tokens": "Q8_0"}
-
-
-def random_blocks(name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """[n, row bytes] of type `name`: random bytes with fp16 scales of a real file's sizes."""
-    qtype = getattr(T, name)
-    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-    if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
-        w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
-        return gguf.quants.quantize(w, qtype).reshape(n, -1)
-    raw = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
-    scale = (rng.standard_normal((n, k // block)) * 2e-3).astype(np.float16).view(np.uint8).reshape(n, k // block, 2)
-    smin = (np.abs(rng.standard_normal((n, k // block))) * 2e-3).astype(np.float16).view(np.uint8).reshape(n, k // block, 2)
-    if name == "Q6_K":
-        raw[..., 208:210] = scale
-    else:
-        raw[..., 0:2], raw[..., 2:4] = scale, smin
-    return raw.reshape(n, -1)
 
 
 def block_target(seed: int = 0, vocab: int = 300, fit: bool = False):
@@ -55,7 +39,7 @@ def block_target(seed: int = 0, vocab: int = 300, fit: bool = False):
             continue
         t = MIX[mod_name.rsplit(".", 1)[-1]]
         n, k = mod.weight.shape
-        raw = random_blocks(t, n, k, rng)
+        raw = blocks_of(t, n, k, rng)
         with torch.no_grad():
             mod.weight.copy_(torch.from_numpy(gguf.quants.dequantize(raw, getattr(T, t)).reshape(n, k).copy()))
         rowgemm.attach_blocks(mod.weight, BlockWeight(torch.from_numpy(raw.copy()), int(getattr(T, t)), t, k))
