@@ -118,8 +118,8 @@ def main(argv=None) -> int:
 
     van, plain, eagle = rt.vanilla(), BatchedEagle(rt, 1, 1), rt.eagle()
     ours("HF generate (float32)", van)
-    ours("eagle2 plain (float32, no draft)", plain)
-    ours("eagle2 (float32, chat default)", eagle)
+    ours(f"eagle2 plain ({rt.arithmetic}, no draft)", plain)
+    ours(f"eagle2 ({rt.arithmetic}, chat default)", eagle)
     for fmt in [f.strip() for f in args.formats.split(",") if f.strip()]:
         path = gguf if fmt == "shipped" else requantize(gguf, fmt, work)
         lc = LlamaCpp(path, threads, n_ctx)
