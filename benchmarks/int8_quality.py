@@ -70,7 +70,7 @@ def main() -> None:
             llm = Llama(model_path=path, n_ctx=2048, n_threads=args.threads, logits_all=True, verbose=False)
         except ImportError:
             print("llama-cpp-python not installed: llama.cpp's column skipped")
-    agree = n = 0
+    agree = n = agree_llama = 0
     kls, kls_llama = [], []
     for item in items:
         ids = rt.encode(item.messages)
@@ -88,9 +88,11 @@ def main() -> None:
             llm.eval(seq)
             lg = torch.tensor(llm.scores[: len(seq)], dtype=torch.float32)[rows][:, : exact.shape[1]]
             kls_llama.append(kl(exact, lg))
+            agree_llama += int((exact.argmax(-1) == lg.argmax(-1)).sum())
     out = {"cpu": cpu_name(), "date": datetime.date.today().isoformat(), "model": os.path.basename(path), "prompts": len(items),
            "positions": n, "top1_agreement": round(agree / n, 4), "mean_kl_int8": float(torch.cat(kls).mean()),
-           "mean_kl_llamacpp": float(torch.cat(kls_llama).mean()) if kls_llama else None}
+           "mean_kl_llamacpp": float(torch.cat(kls_llama).mean()) if kls_llama else None,
+           "top1_agreement_llamacpp": round(agree_llama / n, 4) if kls_llama else None}
     print(json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:
