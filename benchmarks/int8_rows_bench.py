@@ -7,6 +7,13 @@ not depend on the values). Median ms of `int8_linear` and `block_linear` at 1, 2
 and each one's k-rows / one-row ratio. Name the CPU and the thread count with the figures.
 
     python3 benchmarks/int8_rows_bench.py [--threads 2] [--rows 1,2,4,8,16] [--repeat 15] [--only 1.7b|8b]
+
+--cold: weights from DRAM, as a forward streams them: distinct matrices of the 1.7B shapes (q, k,
+v, o, gate, up, down per layer; --layers 24, ~0.9 GB) run in turn, one "pass" timed whole; GB/s =
+weight bytes / pass time for int8 at each row count, beside a plain read of the same bytes (a
+torch sum over an int32 view of each matrix) as the machine's bandwidth reference.
+
+    python3 benchmarks/int8_rows_bench.py --cold [--layers 24] [--rows 1,2,4,8] [--repeat 5]
 """
 from __future__ import annotations
 
@@ -57,6 +64,37 @@ def interleaved_ms(fns, repeat: int) -> list[tuple[float, float]]:
     return [(statistics.median(t) * 1e3, min(t) * 1e3) for t in times]
 
 
+COLD_LAYER = [(2048, 2048, 12)] * 4 + [(8192, 2048, 12)] * 2 + [(2048, 8192, 14)]  # q k v o gate up down
+
+
+def cold(args, mod) -> None:
+    rng = np.random.default_rng(0)
+    proto = {s: random_blocks(*s, rng) for s in set(COLD_LAYER)}  # random bytes once, copied per layer
+    mats = [(proto[s].clone(), s[1], s[2]) for _ in range(args.layers) for s in COLD_LAYER]
+    total = sum(w.numel() for w, _, _ in mats)
+    views = [w.view(torch.int64) for w, _, _ in mats]  # int64: int32 sums widen and run compute-bound
+    rows = [int(r) for r in args.rows.split(",")]
+    xs = {(r, k): torch.randn(r, k) for r in rows for k in (2048, 8192)}
+
+    def read():
+        for v in views:
+            v.sum()
+
+    def pass_of(r):
+        def f():
+            for w, k, t in mats:
+                mod.int8_linear(xs[(r, k)], w, t, None, args.path)
+        return f
+
+    fns = [read] + [pass_of(r) for r in rows]
+    names = ["read"] + [f"int8 x{r}" for r in rows]
+    res = interleaved_ms(fns, args.repeat)
+    print(f"cold pass: {len(mats)} matrices, {total / 1e6:.0f} MB of weights ({args.layers} layers of the 1.7B shapes)")
+    print(f"{'':10} {'ms med':>8} {'ms min':>8} {'GB/s med':>9} {'GB/s best':>9}")
+    for name, (med, low) in zip(names, res):
+        print(f"{name:10} {med:8.2f} {low:8.2f} {total / med / 1e6:9.1f} {total / low / 1e6:9.1f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -64,11 +102,19 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--only", default=None, choices=sorted(SHAPES))
     ap.add_argument("--path", type=int, default=0, help="int8 path (0: the best built)")
+    ap.add_argument("--cold", action="store_true", help="DRAM-resident pass over distinct matrices (see above)")
+    ap.add_argument("--layers", type=int, default=24)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     mod = native.module()
     if mod is None:
         raise SystemExit(f"eagle2's native code: {native.status()}")
+    if args.cold:
+        if args.rows == "1,2,4,8,16":
+            args.rows = "1,2,4,8"
+        print(f"torch threads {torch.get_num_threads()}; int8 path {args.path or 'best'}; {native.status()}")
+        cold(args, mod)
+        return
     rows = [int(r) for r in args.rows.split(",")]
     rng = np.random.default_rng(0)
     print(f"torch threads {torch.get_num_threads()}; int8 paths {mod.int8_paths()} (running {args.path or 'best'}); {native.status()}")

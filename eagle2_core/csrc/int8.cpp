@@ -1013,6 +1013,73 @@ struct Group {
   }
 };
 
+#if I8_VNNI512
+// One activation row over Q6_K: each weight row dotted along its own bytes, start to end
+// (a thread's rows one contiguous stretch, which the hardware prefetcher streams from DRAM; the
+// 16-row transpose reads 16 short interleaved streams it does not follow). The block's integers
+// come from per-lane sums times per-lane scales and one horizontal sum; the float steps per block
+// are the definition's, as everywhere. (Q4_K stays on the 16-row kernel: its scale decoding per
+// row and block costs more there than the transpose saves.)
+//
+// an fp16 value as float32 (the same IEEE widening as half, in one instruction)
+inline float half1(const uint8_t* p) {
+#if defined(__F16C__)
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)));
+#else
+  return half(p);
+#endif
+}
+
+void run_row1_q6k(const uint8_t* W, int64_t N, int64_t K, const Acts& a, float* Y) {
+  const int64_t nb = K / 256, rb = row_bytes_of(14, K);
+  const int8_t* X = a.q.data();
+  const float* DX = a.d.data();
+  const int16_t* S16 = a.s16.data();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    const __m512i fifteen = _mm512_set1_epi8(15);
+    // per 128 values h: ql's 64 bytes give values 0..63 (low nibbles) and 64..127 (high), qh's
+    // 32 bytes (both halves) their 2-bit tops: << 4 / << 2 for the low, >> 0 / >> 2 for the high
+    const __m512i sl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i sr = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i three = _mm512_set1_epi8(0x30);
+    __m512i idx[4];
+    for (int c = 0; c < 4; ++c)
+      idx[c] = _mm512_set_epi32(4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2,
+                                4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c, 4 * c, 4 * c, 4 * c);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = W + n * rb;
+      float acc = 0.0f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * 210;
+        const int8_t* x = X + b * 256;
+        const __m512i scs = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+        const __m512i s16v = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(S16 + b * 16)));
+        __m512i tot = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_mullo_epi32(scs, s16v), 5));
+        for (int h = 0; h < 2; ++h) {
+          const __m512i L = _mm512_loadu_si512(blk + 64 * h);
+          const __m512i QH = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)));
+          const __m512i lo = _mm512_or_si512(_mm512_and_si512(L, fifteen), _mm512_and_si512(_mm512_sllv_epi16(QH, sl), three));
+          const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), fifteen), _mm512_and_si512(_mm512_srlv_epi16(QH, sr), three));
+          const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x + 128 * h));
+          const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(x + 128 * h + 64));
+          tot = _mm512_add_epi32(tot, _mm512_mullo_epi32(d0, _mm512_permutexvar_epi32(idx[2 * h], scs)));
+          tot = _mm512_add_epi32(tot, _mm512_mullo_epi32(d1, _mm512_permutexvar_epi32(idx[2 * h + 1], scs)));
+        }
+        const int A = _mm512_reduce_add_epi32(tot);
+        float pr = half1(blk + 208) * DX[b];
+        keep(pr);
+        float v = pr * static_cast<float>(A);
+        keep(v);
+        acc = acc + v;
+      }
+      Y[n] = acc;
+    }
+  });
+}
+#endif
+
 template <class P, int T>
 void run_simd(const uint8_t* W, int64_t N, int64_t K, const Acts& a, float* Y) {
   constexpr int L = P::L;
@@ -1021,6 +1088,14 @@ void run_simd(const uint8_t* W, int64_t N, int64_t K, const Acts& a, float* Y) {
   const int SB = std::max(k.bs, 4 * L);
   const Side side = side_of(a, T, P::SIGN);
   const int64_t groups = (N + L - 1) / L;
+#if I8_VNNI512
+  if constexpr (std::is_same<P, V512>::value && T == 14) {
+    if (a.R == 1) {
+      run_row1_q6k(W, N, K, a, Y);
+      return;
+    }
+  }
+#endif
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     std::vector<typename P::VI> Tw(SB / 4), Ts(P::SIGN ? SB / 4 : 1);
     Group<P, T> grp{a, side, Tw.data(), Ts.data(), {}, {}, {}, {}};
