@@ -223,15 +223,7 @@ struct Meta {
   int mn[8];
 };
 
-inline void scale_min_k4(const uint8_t* q, int j, int& sc, int& mn) {
-  if (j < 4) {
-    sc = q[j] & 63;
-    mn = q[j + 4] & 63;
-  } else {
-    sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
-    mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
+using eagle2::scale_min_k4;
 
 inline void meta_of(int64_t t, const uint8_t* b, float row_scale, Meta& m) {
   m.dm = 0.0f;

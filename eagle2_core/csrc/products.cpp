@@ -149,16 +149,6 @@ inline v16 splat_int(int v) { return to_f(i32x16{} + v); }
 inline i32x16 nibbles(const uint8_t* p, bool high) { return (u8_lanes(p) >> (high ? 4 : 0)) & 15; }
 const i32x16 IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
-// Q4_K / Q5_K: the 6-bit scale and minimum of sub-block j (0-7) from the 12 packed bytes
-inline void scale_min_k4(const uint8_t* q, int j, int& sc, int& mn) {
-  if (j < 4) {
-    sc = q[j] & 63;
-    mn = q[j + 4] & 63;
-  } else {
-    sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
-    mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
 
 // Table lookups: a 4-bit value q picks the rebuilt weight from the 16 a block can hold, computed
 // once per block by the same arithmetic `read` runs per value (so the same bits), in one permute

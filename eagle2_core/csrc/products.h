@@ -41,3 +41,17 @@ void int8_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const at
 // The activation blocks as the kernel makes them: per block a float32 scale, the int8 values, and
 // the int16 sums per 16 values ([R, K / block x (4 + block + block / 8)] bytes).
 at::Tensor int8_quantize(const at::Tensor& x, int64_t qtype);
+
+namespace eagle2 {
+// Q4_K / Q5_K: the 6-bit scale and minimum of sub-block j (0-7) from the 12 packed bytes (both
+// the float32 block kernel and the int8 one read them)
+inline void scale_min_k4(const uint8_t* q, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    mn = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+    mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+}  // namespace eagle2
