@@ -1,4 +1,4 @@
-"""The prepared device session (issue 39): what to run, first, whenever a GPU is lent.
+"""The prepared device session: what to run, first, whenever a GPU is lent.
 
 A lent GPU comes with hard limits (the device tool; docs/gpu.md): about 15 minutes of device time
 in all, start-up included; 64 MiB of working tree per call; at most 8 returned files of 16 MiB,

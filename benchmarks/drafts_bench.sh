@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every figure of issue 40 (drafts for every model) with one command, on this machine:
+# Every figure of the drafts-for-every-model benchmarks with one command, on this machine:
 #
 #   bash benchmarks/drafts_bench.sh [OUT]          # default OUT: /tmp/eagle2-drafts-bench
 #

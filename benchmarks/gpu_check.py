@@ -1,4 +1,4 @@
-"""The GPU path measured in one device call (issue 16): plain decoding against EAGLE-2, eager and captured.
+"""The GPU path measured in one device call: plain decoding against EAGLE-2, eager and captured.
 
 For each model (bf16 on the GPU; the head the registry or package picks, else `--draft random`
 for overhead figures only), on the first LIMIT MT-bench questions, greedy, MAX_NEW tokens, one

@@ -1,4 +1,4 @@
-"""`--load-in-8bit` on a CPU (issue 41): eagle2's weight-only 8-bit beside float32, one process.
+"""`--load-in-8bit` on a CPU: eagle2's weight-only 8-bit beside float32, one process.
 
 The same Hugging Face folder loaded twice: in float32, and with `--load-in-8bit` (every linear
 weight and the embedding as int8 rows with a float32 scale each, read by the block kernel; no

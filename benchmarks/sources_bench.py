@@ -1,4 +1,4 @@
-"""Draft sources side by side (issue 40): the head alone, the head-free sources alone, all together.
+"""Draft sources side by side: the head alone, the head-free sources alone, all together.
 
 One `eagle2 compare` run per prompt set, every method interleaved per prompt (compare.py), so the
 ratios are within one run:

@@ -1,4 +1,4 @@
-"""The per-cycle budget against a sweep of constant trees, with interleaved repeats (issue 40).
+"""The per-cycle budget against a sweep of constant trees, with interleaved repeats.
 
 Each repeat is one `eagle2 compare --no-vanilla` run in a fresh process, every method interleaved
 per prompt (compare.py), so each repeat's ratios are within one run:

@@ -380,7 +380,7 @@ class BudgetChooser:
         `prior_cycles` pseudo-cycles of unit step variance (so with cycles of one depth only, the
         step stays the profile's) and the overhead toward 0 with as many pseudo-cycles. Only the
         step is marginal: charging the whole draft per step would make every level look as dear
-        as a whole draft and keep trees at depth 1 (measured: issue 23)."""
+        as a whole draft and keep trees at depth 1 (measured)."""
         st = self._state()
         if st["fit"] is None:
             w, n = self.prior_cycles, st["draft_n"]

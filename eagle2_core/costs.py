@@ -172,7 +172,7 @@ ROW_WIN = 0.97  # another kernel replaces linear only below this share of linear
 PACK_WIN = 0.75  # a packing is a second float32 copy of its weight, kept for the process: the plan runs one only
                  # where it takes at most this share of the best unpacked kernel's time. SmolLM2's draft head
                  # packed its gate/up for 48-64 rows (its prefill only) at 0.78-0.79 of the stream kernel's
-                 # time, for 10.6 MB of a 615 MB chat (issue 41's memory target: 601)
+                 # time, for 10.6 MB of a 615 MB chat (a memory target of 601)
 
 
 def product_weights(model, head) -> list[torch.Tensor]:

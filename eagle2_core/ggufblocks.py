@@ -1,4 +1,4 @@
-"""A GGUF file's linear weights as its own blocks (issue 41): the bytes the block kernel reads
+"""A GGUF file's linear weights as its own blocks: the bytes the block kernel reads
 (csrc/products.cpp, `block_linear`), laid out as the Hugging Face model's weights are.
 
 transformers loads a GGUF by dequantizing every tensor to float32 (gguf-py) and, for llama's

@@ -4,7 +4,7 @@ Verify (EAGLE-2 section 3) is one forward of the target over a few rows, and on 
 forward is memory-bound: the products want to stream the weights once and nothing else should
 cost. The stock transformers forward is written for every use at once (module calls, kwargs
 plumbing, attention interfaces): on SmolLM2 it spends ~15 ms per forward outside its 211
-products (docs/benchmarks.md, issue 28). This is the same computation written once, gpt-fast
+products (docs/benchmarks.md). This is the same computation written once, gpt-fast
 style, for the layers we recognise (Llama, Qwen2, Mistral, Qwen3: pre-norm RMSNorm, rotary
 q/k, SDPA, a gated MLP):
 
@@ -117,7 +117,7 @@ def _fuse(linears: list[torch.nn.Linear], parts: bool = True) -> tuple[torch.Ten
         with torch.no_grad():
             bias = stacked([m.bias for m in linears]) if linears[0].bias is not None else None
         return [m.weight for m in linears], bias
-    blocks = [rowgemm.blocks_of(m.weight) for m in linears]  # a GGUF target's blocks (issue 41)
+    blocks = [rowgemm.blocks_of(m.weight) for m in linears]  # a GGUF target's blocks
     if all(b is not None for b in blocks) and len({b.qtype for b in blocks}) > 1:
         common = common_type(b.qtype for b in blocks)  # parts of several types: widened exactly where one holds them all
         if common is not None:
@@ -197,7 +197,7 @@ def native_status() -> str:
 # -- the draft head's layer through the same native loop -------------------------------------------
 # A draft step (EAGLE-2 section 4.1: one head forward per tree level) is one decoder layer over a
 # few rows, then the draft lm_head. Through the stock transformers layer it cost ~3.8 ms on SmolLM2
-# where its weights stream in ~1.6 (issue 28): the same native loop runs it, one layer with no
+# where its weights stream in ~1.6: the same native loop runs it, one layer with no
 # input norm and no final norm (EAGLE's head has neither). Its q/k/v and gate/up are read as one
 # product each from a fused weight whose views the head's parameters become, as the target body's
 # do (no second copy: that was 9 MB on SmolLM2's head; its checkpoint format and training are

@@ -56,7 +56,7 @@ def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=Non
             methods[name] = (runtime.eagle(constant_tree, record_confidence=True, compile=True), True)
         elif name == "generate-compiled":  # HF generate with a static cache and torch.compile
             methods[name] = (runtime.vanilla(compiled=True), False)
-        elif name == "plain-float32":  # eagle2's plain decoding over float32 weights beside the blocks (issue 41)
+        elif name == "plain-float32":  # eagle2's plain decoding over float32 weights beside the blocks
             methods[name] = (FloatWeights(BatchedEagle(runtime, 1, 1)), False)
         elif name in ("static", "chain"):
             methods[name] = (runtime.eagle(dataclasses.replace(constant_tree, shape=name), record_confidence=True), True)

@@ -1,4 +1,4 @@
-"""Counting what a decoding cycle dispatches: the CPU-side check of the GPU path (issue 16).
+"""Counting what a decoding cycle dispatches: the CPU-side check of the GPU path.
 
 On a GPU every aten op of a cycle is a kernel launch with host work around it, and every op
 that reads a device value on the host is a synchronisation. A `TorchDispatchMode` sees each op

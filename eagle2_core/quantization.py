@@ -1,4 +1,4 @@
-"""eagle2's weight-only 8-bit (and 4-bit) on CPUs (issue 41): each weight quantized to blocks the
+"""eagle2's weight-only 8-bit (and 4-bit) on CPUs: each weight quantized to blocks the
 block kernel reads (csrc/products.cpp), its float32 values dropped.
 
 - 8-bit (`--load-in-8bit`): per output row one float32 scale, the row's absmax / 127, and the
@@ -81,7 +81,7 @@ def head_blocks(head) -> int:
     CPU with eagle2's kernels. A draft step streams the head's weights as a target step streams
     the target's: SmolLM2's head (its layer, fc, and the 16,384 lm_head rows it scores) held 55 MB
     of float32, a quarter of a 4-bit target's step and a tenth of a float32 one's, every step of
-    every tree (docs/benchmarks.md, session 26). The draft is only a proposal: the head's rounding
+    every tree (docs/benchmarks.md). The draft is only a proposal: the head's rounding
     changes which tokens are drafted, never the output (verification is the target's). The
     embedding, and the lm_head where the head scores the target's own rows, are the target's and
     stay as they are (a pruned draft vocabulary's rows are the head's copy). Returns the blocks' bytes."""

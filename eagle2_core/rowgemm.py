@@ -180,7 +180,7 @@ _PACKED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 # id(weight) -> (weak reference to it, its _version, ggufblocks.BlockWeight): GGUF blocks that
 # hold exactly this float32 weight (loading attaches them for GGUF targets; the block kernel
-# rebuilds the weight's bits from them, issue 41). Kept beside the weight, as packings are.
+# rebuilds the weight's bits from them). Kept beside the weight, as packings are.
 _BLOCKS: dict[int, tuple[weakref.ref, int, object]] = {}
 
 
@@ -197,7 +197,7 @@ def blocks_of(weight: torch.Tensor):
     return got[2]
 
 
-# -- weights held only as blocks (issue 41: no resident float32 copy) ---------------------------
+# -- weights held only as blocks (no resident float32 copy) ---------------------------
 # A weight whose blocks are all that is kept: its tensor becomes a stand-in of the same shape and
 # dtype over one NaN (stride 0, no storage to speak of), so shapes, devices and dtypes read as
 # before while any product that missed the blocks comes out NaN rather than plausible. Every

@@ -58,7 +58,7 @@ class VanillaDecoder:
         if gen.seed is not None:
             torch.manual_seed(gen.seed)
         own = self.model.generation_config
-        # A target held as blocks only (issue 41) rebuilds each float32 weight for transformers'
+        # A target held as blocks only rebuilds each float32 weight for transformers'
         # own F.linear as generate reaches it (rowgemm.FloatlessLinear): the bits of the float32
         # model, but time the float32 model does not spend, so it is taken out of the wall time.
         rebuilt0 = rowgemm.REBUILD["seconds"]

@@ -1,4 +1,4 @@
-"""GGUF block weights read by the stream kernel (issue 41): for every block type, the product
+"""GGUF block weights read by the stream kernel: for every block type, the product
 from the blocks' bytes is bitwise the float32 stream product over gguf-py's dequantization of the
 same blocks (the dequantization transformers loads GGUF files through), at every row count."""
 from __future__ import annotations
@@ -199,7 +199,7 @@ def test_block_weights_through_the_one_engine(name, monkeypatch):
         assert torch.equal(a, b)
 
 
-# -- eagle2's weight-only 8-bit (ROW_I8) and rows rebuilt for lookups (issue 41, parts 3-4) -----
+# -- eagle2's weight-only 8-bit (ROW_I8) and rows rebuilt for lookups -----
 def test_row_int8_product_is_bitwise_the_float32_product_over_scale_times_q():
     """`--load-in-8bit` on a CPU: int8 rows with a float32 scale each; the block product is the
     float32 stream product over `scale * q` at every row count (so speculation is exact against
@@ -271,7 +271,7 @@ def test_q4_0_quantizer_writes_blocks_gguf_py_reads_back_within_a_step():
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_1"])
 def test_a_target_held_as_blocks_only_keeps_generate_bits_and_decodes_from_blocks(name):
-    """Issue 41's memory: the linears and the embedding keep their blocks only (stand-ins of one
+    """Memory: the linears and the embedding keep their blocks only (stand-ins of one
     NaN for the floats). transformers' own forward and `generate` rebuild each weight and give the
     bits of the float32 model; eagle2 reads the blocks (its products cannot see a float: a miss
     would be NaN) and greedy decoding is `generate`'s."""

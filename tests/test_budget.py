@@ -267,7 +267,7 @@ def test_cli_tune_and_compare_against_auto(tmp_path, monkeypatch, tiny_model_dir
 
     monkeypatch.setenv("EAGLE2_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("EAGLE2_KERNEL")  # the suite pins linear; tune measures the kernels when nothing is forced
-    monkeypatch.setenv("COLUMNS", "80")  # an 80-column terminal: every table whole (issue 38)
+    monkeypatch.setenv("COLUMNS", "80")  # an 80-column terminal: every table whole
     r = CliRunner().invoke(cli, ["tune", "--model", tiny_model_dir, "--draft", tiny_head_dir, "--json", str(tmp_path / "p.json")])
     monkeypatch.delenv("COLUMNS")
     assert "…" not in r.stdout, r.stdout

@@ -180,7 +180,7 @@ def _figures(d: dict, names: list[str]) -> list[set[str]]:
 
 @pytest.mark.parametrize("columns", ["80", "40", None])  # a terminal of 80, a narrow one, and a pipe or log
 def test_compare_table_shows_every_figure_whole(monkeypatch, tmp_path, tiny_model_dir, tiny_head_dir, columns):
-    """Issue 38: in 80 columns the table fits with nothing cut; narrower, one line per method;
+    """In 80 columns the table fits with nothing cut; narrower, one line per method;
     piped, the table whole (Rich would otherwise assume 80 columns and cut every number)."""
     if columns:
         monkeypatch.setenv("COLUMNS", columns)

@@ -1,6 +1,6 @@
-"""Faults as a user meets them (issue 23, parts 2 and 6): a second run on a locked output, a
+"""Faults as a user meets them: a second run on a locked output, a
 device that is not there, a template that renders nothing, a fallback that must be said; and
-(issue 30) a disk that fills mid-run, a line with a lone surrogate, a cache folder that cannot be made."""
+a disk that fills mid-run, a line with a lone surrogate, a cache folder that cannot be made."""
 from __future__ import annotations
 
 import errno
@@ -255,7 +255,7 @@ def test_a_capture_failure_is_reported_as_what_ran(tmp_path, tiny_model_dir, tin
     assert "compiled (uncaptured)" in r.output
 
 
-# -- issue 30: a full disk, a lone surrogate, a cache folder that cannot be made ---------------
+# -- a full disk, a lone surrogate, a cache folder that cannot be made ---------------
 class FullDisk:
     """`os.write` for one file as a disk with `room` bytes left does it: a write bigger than the
     room takes what fits (a short write) and the next one fails with ENOSPC. Other files (the
@@ -458,7 +458,7 @@ def test_the_default_gguf_loads_without_a_cache_and_is_named_when_it_cannot(tmp_
     assert str(e.value) == "could not load model 'smollm2' (the default, SmolLM2-135M-Instruct): disk on fire"
 
 
-# -- issue 38: an output file that is not this run's ---------------------------------------------
+# -- an output file that is not this run's ---------------------------------------------
 def gen_args(src, out, tiny_model_dir, tiny_head_dir, *extra):
     return ["generate", "-f", str(src), "-o", str(out), "--model", tiny_model_dir, "--draft", tiny_head_dir, "--device", "cpu",
             "--total-tokens", "4", "--no-progress", *extra]

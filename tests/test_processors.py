@@ -1,4 +1,4 @@
-"""Lossless against what the model itself does: the target's generation_config processors (issue 23).
+"""Lossless against what the model itself does: the target's generation_config processors.
 
 A model's generation_config may set a repetition penalty, no-repeat n-grams, bad words, minimum
 lengths, sampling defaults, ...; `generate` applies all of them. EAGLE-2 must too, to every

@@ -1,4 +1,4 @@
-"""Two eagle2 processes at once, or one killed midway (issue 38): the kernel build's lock, the
+"""Two eagle2 processes at once, or one killed midway: the kernel build's lock, the
 cache that two first runs fill together, temporaries a killed run leaves behind."""
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 // LeanBody.__call__ op for op over the same ATen ops (bitwise the same, without the interpreter
 // between them); float32 runs the arithmetic between the products as our own loops over buffers
 // kept between forwards (fused_layers below; within 2e-6 of the Python loop). Figures:
-// docs/benchmarks.md (issue 28, sessions 17-19).
+// docs/benchmarks.md.
 // A change to the cache layout must change both this and engine.KVLayer.update.
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -101,7 +101,7 @@ static Tensor rms(const Tensor& x, const Tensor& w, double eps) {
 // -- float32, one sequence: the arithmetic between the products in our own loops ---------------
 // In the ATen form above each layer runs ~40 small ops (norms, rotary, SDPA, slices, adds), each
 // a few microseconds of dispatch and allocation: on SmolLM2 they cost ~10 ms of a 26 ms one-row
-// verify whose products take 16 (issue 28). Here they are plain loops over the same buffers.
+// verify whose products take 16. Here they are plain loops over the same buffers.
 // The arithmetic is the stock layer's; only the order of additions inside a sum (RMSNorm's mean,
 // attention's dot products and softmax) differs from ATen's, as between any two kernels.
 namespace fused {
@@ -227,7 +227,7 @@ static void attend_rows(const float* t, int64_t T, const float* K, const float* 
 // head h reading kv group h / (nh / nkv). Out: [n, nh * hd]. The mask is additive, [.., n, view].
 // Work items are (head, 4 rows); measured in one process against a row at a time (SmolLM2, 250
 // cached tokens): 1.03x at 1-2 rows, 1.07x at 4, 1.12x at 8 of a whole forward; Qwen2.5 0.5B
-// 0.99-1.04x (docs/benchmarks.md, session 25).
+// 0.99-1.04x (docs/benchmarks.md).
 static void attend(const float* t, const float* keys, const float* values, const float* mask, int64_t mask_row,
                    int64_t mask_col, int64_t n, int64_t nh, int64_t nkv, int64_t hd, int64_t max_len, int64_t view,
                    float scale, float* out) {

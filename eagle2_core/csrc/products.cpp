@@ -4,8 +4,8 @@
 //
 // Why our own: EAGLE-2's dynamic tree (section 4) pays where verifying a few more rows costs
 // little more than one. On a CPU a product of 1-16 rows is memory-bound, and the kernels torch
-// ships reach 10-24 GB/s on shapes of a small model where the memory gives 30-40 (issue 28,
-// docs/benchmarks.md). A tile here keeps up to 24 accumulators in registers (6 weight rows x 4
+// ships reach 10-24 GB/s on shapes of a small model where the memory gives 30-40
+// (docs/benchmarks.md). A tile here keeps up to 24 accumulators in registers (6 weight rows x 4
 // input rows in float32): each weight is read from memory once, into cache, and reused there for
 // every input row, while the next weights are already on their way (Prefetch).
 //
@@ -76,7 +76,7 @@ struct BF16 {
   }
 };
 
-// GGUF's block types (issue 41): the weights stay in the file's blocks, 4-8 bits a weight where
+// GGUF's block types: the weights stay in the file's blocks, 4-8 bits a weight where
 // float32 takes 32, and `read` rebuilds a step of 16 float32 weights in registers exactly as
 // gguf-py's dequantizer (which transformers loads GGUF files through) computes them: every scale
 // is an fp16 widened to float32 and every product in the order numpy runs it. Nearly all of those
