@@ -10,8 +10,9 @@ and each one's k-rows / one-row ratio. Name the CPU and the thread count with th
 
 --cold: weights from DRAM, as a forward streams them: distinct matrices of the 1.7B shapes (q, k,
 v, o, gate, up, down per layer; --layers 24, ~0.9 GB) run in turn, one "pass" timed whole; GB/s =
-weight bytes / pass time for int8 at each row count, beside a plain read of the same bytes (a
-torch sum over an int32 view of each matrix) as the machine's bandwidth reference.
+weight bytes / pass time for int8 at each row count, in the file's layout and interleaved (as a
+GGUF target holds its K-quants where the AVX-512 kernel runs), beside a plain read of the same
+bytes (a torch sum over an int64 view of each matrix) as the machine's bandwidth reference.
 
     python3 benchmarks/int8_rows_bench.py --cold [--layers 24] [--rows 1,2,4,8] [--repeat 5]
 """
@@ -80,14 +81,18 @@ def cold(args, mod) -> None:
         for v in views:
             v.sum()
 
-    def pass_of(r):
+    tiled = []
+    if hasattr(mod, "int8_interleaves") and all(mod.int8_interleaves(t) for _, _, t in mats):
+        tiled = [(mod.int8_interleave(w, t), k, t | 256) for w, k, t in mats]  # the layout loading gives
+
+    def pass_of(r, ms):
         def f():
-            for w, k, t in mats:
+            for w, k, t in ms:
                 mod.int8_linear(xs[(r, k)], w, t, None, args.path)
         return f
 
-    fns = [read] + [pass_of(r) for r in rows]
-    names = ["read"] + [f"int8 x{r}" for r in rows]
+    fns = [read] + [pass_of(r, mats) for r in rows] + [pass_of(r, tiled) for r in rows if tiled]
+    names = ["read"] + [f"int8 x{r}" for r in rows] + [f"tiled x{r}" for r in rows if tiled]
     res = interleaved_ms(fns, args.repeat)
     print(f"cold pass: {len(mats)} matrices, {total / 1e6:.0f} MB of weights ({args.layers} layers of the 1.7B shapes)")
     print(f"{'':10} {'ms med':>8} {'ms min':>8} {'GB/s med':>9} {'GB/s best':>9}")

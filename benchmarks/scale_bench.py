@@ -131,11 +131,14 @@ def child_eagle2_steps(a) -> dict:
         measure.PROBE_MS = float("inf")
     t0 = time.perf_counter()
     target = loading.load_target(a.file)
+    from eagle2_core import runtime
+
+    arith, _ = runtime.apply_arithmetic(target, exact=False)  # as `eagle2 chat` holds it
     load_s = time.perf_counter() - t0
     prof = measure.measure_profile(target.model, None, verify_rows=rows, reps=a.reps)
     if any(n not in prof.verify_ms for n in rows):
         raise RuntimeError(f"measured rows {sorted(prof.verify_ms)} only (the model's context is short)")
-    return {"load_s": load_s, "rows_ms": {str(k): prof.verify_ms[k] for k in rows}, "profile_key": prof.key,
+    return {"load_s": load_s, "arithmetic": arith, "rows_ms": {str(k): prof.verify_ms[k] for k in rows}, "profile_key": prof.key,
             "block_bytes": target.block_bytes, "vm_hwm": _vm_hwm_bytes()}
 
 

@@ -31,11 +31,15 @@ BLOCK_SIZES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7:
 
 @dataclass
 class BlockWeight:
-    """One weight [out, in] as GGUF blocks: `blocks` uint8 [out, row bytes], `qtype` GGML's type id."""
+    """One weight [out, in] as GGUF blocks: `blocks` uint8 [out, row bytes], `qtype` GGML's type id.
+    `mapped`: `blocks` is a view of the file's memory map; `tiled`: the same blocks interleaved for
+    the int8 kernel (rowgemm.interleave), where it reads them so."""
     blocks: torch.Tensor
     qtype: int
     type_name: str
     in_features: int
+    mapped: bool = False
+    tiled: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:

@@ -314,7 +314,7 @@ def build_model(path: str, config, parsed: dict, dtype: torch.dtype, mode: str, 
                     blocks = torch.from_numpy(tensors.raw(gname))
                 else:
                     blocks = torch.from_numpy(np.ascontiguousarray(tensors.copied(gname)[order]))
-                bw = BlockWeight(blocks, qtype, BLOCK_SIZES[qtype][0], shape[1])
+                bw = BlockWeight(blocks, qtype, BLOCK_SIZES[qtype][0], shape[1], mapped=order is None)
             except ValueError:  # the processor does more than move rows: dequantized below
                 bw = None
         if bw is not None and mode == "blocks":

@@ -445,6 +445,53 @@ def have_int8() -> bool:
     return mod is not None and hasattr(mod, "int8_linear")
 
 
+TILED = 256  # qtype | TILED: the int8 kernel reads the weight's interleaved copy (csrc/int8.cpp)
+
+
+def _int8_operand(bw) -> tuple[int, torch.Tensor]:
+    """(type code, tensor) the int8 kernel reads for these blocks: the interleaved copy where there is one."""
+    return (bw.qtype | TILED, bw.tiled) if bw.tiled is not None else (bw.qtype, bw.blocks)
+
+
+def interleave(model: nn.Module) -> int:
+    """Give every block weight of `model` that the int8 kernel reads interleaved here (K-quants
+    under AVX-512, a multiple of 16 rows) its interleaved copy, once; the file's pages behind the
+    original are handed back to the page cache (a mapped view is read again only by the exact
+    kernel, `generate`'s rebuilt floats or an embedding look-up). Bytes interleaved."""
+    mod = native.module()
+    if mod is None or not hasattr(mod, "int8_interleaves"):
+        return 0
+    done = 0
+    seen: set[int] = set()
+    for w in model.parameters():
+        bw = blocks_of(w)
+        if bw is None or id(bw) in seen or bw.tiled is not None or bw.blocks.shape[0] % 16 or not mod.int8_interleaves(bw.qtype):
+            continue
+        seen.add(id(bw))
+        bw.tiled = mod.int8_interleave(bw.blocks, bw.qtype)
+        done += bw.blocks.numel()
+        if bw.mapped:
+            _drop_pages(bw.blocks)
+    return done
+
+
+def _drop_pages(t: torch.Tensor) -> None:
+    """madvise(DONTNEED) over the whole pages of a view of a private, unwritten file mapping: they
+    leave this process's resident set and come back from the file if read again."""
+    import ctypes
+    import mmap
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    page = mmap.PAGESIZE
+    start = (t.data_ptr() + page - 1) // page * page
+    end = (t.data_ptr() + t.numel()) // page * page
+    if end > start:
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED
+
+
 def set_arithmetic(name: str) -> None:
     global EPOCH
     if name not in ARITHMETICS:
@@ -575,9 +622,12 @@ def product_choice(rows: int, weight: torch.Tensor) -> tuple[int, torch.Tensor]:
     """(kernel code, the tensor it reads) for a product of `rows` rows with `weight`: the plan's
     kernel as `kernel_for` picks it, with the packing for `packed` (leanbody's native loop)."""
     k = _kernel(rows, weight.dtype, False, weight)
-    if k in ("block", "int8"):
+    if k == "int8":
+        code, t = _int8_operand(blocks_of(weight))
+        return INT8_CODE + code, t
+    if k == "block":
         bw = blocks_of(weight)
-        return (BLOCK_CODE if k == "block" else INT8_CODE) + bw.qtype, bw.blocks
+        return BLOCK_CODE + bw.qtype, bw.blocks
     return (0, _packed_of(weight)) if k == "packed" else (KERNEL_CODES[k], weight)
 
 
@@ -603,8 +653,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         bw = blocks_of(weight)
         return native.module().block_linear(x, bw.blocks, bw.qtype, bias)
     if k == "int8":
-        bw = blocks_of(weight)
-        return native.module().int8_linear(x, bw.blocks, bw.qtype, bias)
+        code, t = _int8_operand(blocks_of(weight))
+        return native.module().int8_linear(x, t, code, bias)
     x2 = x.reshape(-1, x.shape[-1])
     if k == "packed":
         out = packed_product(x2, _packed_of(weight), bias)

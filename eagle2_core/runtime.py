@@ -76,6 +76,16 @@ def choose_arithmetic(target: LoadedTarget, exact: bool) -> tuple[str, str | Non
     return "int8", None
 
 
+def apply_arithmetic(target: LoadedTarget, exact: bool) -> tuple[str, str | None]:
+    """choose_arithmetic, then set it; in int8 the target's block weights get the layout the int8
+    kernel streams (rowgemm.interleave), before anything is timed."""
+    arith, why = choose_arithmetic(target, exact)
+    rowgemm.set_arithmetic(arith)
+    if arith == "int8":
+        rowgemm.interleave(target.model)
+    return arith, why
+
+
 def random_head(target: LoadedTarget, seed: int = 0) -> DraftHead:
     """An untrained head shaped for the target (tau near 1: for tests and demos only)."""
     g = torch.random.get_rng_state()
@@ -140,8 +150,7 @@ class Runtime:
             raise LoadError(str(e)) from None
         target = load_target(model, dtype=dtype, device=device, device_map=device_map, load_in_8bit=load_in_8bit,
                              load_in_4bit=load_in_4bit, trust_remote_code=trust_remote_code)
-        arith, why = choose_arithmetic(target, exact)
-        rowgemm.set_arithmetic(arith)  # before the cost profile: its key names the arithmetic
+        arith, why = apply_arithmetic(target, exact)  # before the cost profile: its key names the arithmetic
         if why:
             target.notes = list(target.notes or []) + [why]
         model_gen = getattr(target.model, "generation_config", None)

@@ -587,18 +587,41 @@ inline void keepv(VF& v) {
 }
 
 #if I8_VNNI512
+// Where a 16-row K-quant block's transposed bytes come from: `Rows` transposes them from the 16
+// rows as they lie in the file; `Tile` reads them from a tile that `interleave` wrote at load (the
+// same vectors, stored: dword c of the 16 rows' block at 64 c, and Q6_K's 16 fp16 d at 16 x 208),
+// so a product streams one stretch of memory and spends nothing on transposes.
+struct Rows {
+  const uint8_t* const* rows;
+  int64_t off;  // the block's offset in a row
+  __m512i idx;  // the rows' offsets from rows[0], for gathers
+  void t16(int o, __m512i* out) const { V512::transpose(rows, off + o, out); }
+  void t4(int o, __m512i* out) const { V512::transpose4(rows, off + o, out); }
+  __m512 d6() const {  // Q6_K's d of the 16 rows (the dword at 206: sc 14, sc 15, d)
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_i32gather_epi32(idx, rows[0] + off + 206, 1), 16)));
+  }
+};
+struct Tile {
+  const uint8_t* p;  // the tile of this block
+  void t16(int o, __m512i* out) const {
+    for (int c = 0; c < 16; ++c) out[c] = _mm512_loadu_si512(p + 16 * o + 64 * c);
+  }
+  void t4(int o, __m512i* out) const {
+    for (int c = 0; c < 4; ++c) out[c] = _mm512_loadu_si512(p + 16 * o + 64 * c);
+  }
+  __m512 d6() const { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * 208))); }
+};
+
 // AVX-512: a K-quant block of 16 weight rows made ready straight from the rows' bytes, without
 // unpacking each row first: the packed bytes are transposed (a dword, 4 bytes of one row, per lane)
 // and then split into nibbles, which halves the shuffles; the scales and minimums of all 16 rows
 // are decoded at once from their gathered 12 bytes.
-template <int T, bool VALUES = true>
-inline void repack_k16(const uint8_t* const* rows, int64_t b, __m512i idx, __m512i* Tw, int32_t (*scm)[16], int32_t (*mpm)[16],
-                       float* dw, float* dm) {
-  const int64_t off = b * kind_of(T).bytes;
+template <int T, bool VALUES = true, class Src>
+inline void repack_k16(const Src& src, __m512i* Tw, int32_t (*scm)[16], int32_t (*mpm)[16], float* dw, float* dm) {
   const __m512i f4 = _mm512_set1_epi32(0x0F0F0F0F);
   if constexpr (T == 12 || T == 13) {
     __m512i hd[4];
-    V512::transpose4(rows, off, hd);  // d | dmin, then the 12 scale bytes in three words
+    src.t4(0, hd);  // d | dmin, then the 12 scale bytes in three words
     const __m512i H = hd[0], A = hd[1], B = hd[2], C = hd[3];
     _mm512_store_ps(dw, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(H)));
     _mm512_store_ps(dm, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(H, 16))));
@@ -614,11 +637,11 @@ inline void repack_k16(const uint8_t* const* rows, int64_t b, __m512i idx, __m51
     }
     if constexpr (!VALUES) return;
     __m512i P[16], QH[16];
-    if constexpr (T == 13) V512::transpose(rows, off + 16, QH);  // qh's 8 dwords (and 8 unused)
+    if constexpr (T == 13) src.t16(16, QH);  // qh's 8 dwords (and 8 unused)
     const int qs = T == 12 ? 16 : 48;
     const __m512i one = _mm512_set1_epi32(0x01010101);
     for (int half = 0; half < 2; ++half) {
-      V512::transpose(rows, off + qs + 64 * half, P);
+      src.t16(qs + 64 * half, P);
       for (int i = 0; i < 16; ++i) {
         const int p = 2 * half + i / 8, c = i % 8;  // bytes 4c.. of chunk p: values 64p + 4c (low) and 64p + 32 + 4c (high)
         __m512i lo = _mm512_and_si512(P[i], f4), hi = _mm512_and_si512(_mm512_srli_epi32(P[i], 4), f4);
@@ -631,11 +654,9 @@ inline void repack_k16(const uint8_t* const* rows, int64_t b, __m512i idx, __m51
       }
     }
   } else {  // Q6_K
-    const uint8_t* base = rows[0] + off;
-    const __m512i D = _mm512_i32gather_epi32(idx, base + 206, 1);  // sc 14, 15, d: d in the high half
-    _mm512_store_ps(dw, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(D, 16))));
+    _mm512_store_ps(dw, src.d6());
     __m512i sd[4];
-    V512::transpose4(rows, off + 192, sd);
+    src.t4(192, sd);
     for (int q = 0; q < 4; ++q) {
       const __m512i S = sd[q];
       __m512i v[4];
@@ -650,10 +671,10 @@ inline void repack_k16(const uint8_t* const* rows, int64_t b, __m512i idx, __m51
     if constexpr (!VALUES) return;
     const __m512i m33 = _mm512_set1_epi32(0x33333333);
     __m512i QH[16];
-    V512::transpose(rows, off + 128, QH);  // qh: dwords 0-7 the first 128 values, 8-15 the second
+    src.t16(128, QH);  // qh: dwords 0-7 the first 128 values, 8-15 the second
     for (int h = 0; h < 2; ++h) {
       __m512i P[16];
-      V512::transpose(rows, off + 64 * h, P);  // ql: dwords 0-7 bytes l, 8-15 bytes l + 32
+      src.t16(64 * h, P);  // ql: dwords 0-7 bytes l, 8-15 bytes l + 32
       for (int c = 0; c < 8; ++c) {
         const __m512i q = QH[8 * h + c];
         const __m512i h0 = _mm512_and_si512(q, m33), h1 = _mm512_and_si512(_mm512_srli_epi32(q, 2), m33);
@@ -671,12 +692,12 @@ inline void repack_k16(const uint8_t* const* rows, int64_t b, __m512i idx, __m51
 // Q4_K at up to 4 activation rows: each transposed vector of packed nibbles split and dotted at
 // once, in registers (the values are not stored and read back: a third of a one-row product).
 // The same integers as the stored steps give.
-template <int R>
-inline void q4k_fused(const uint8_t* const* rows, int64_t off, const int8_t* const* x, int32_t (*scm)[16], __m512i* A) {
+template <int R, class Src>
+inline void q4k_fused(const Src& src, const int8_t* const* x, int32_t (*scm)[16], __m512i* A) {
   const __m512i f4 = _mm512_set1_epi32(0x0F0F0F0F);
   for (int half = 0; half < 2; ++half) {
     __m512i P[16];
-    V512::transpose(rows, off + 16 + 64 * half, P);
+    src.t16(16 + 64 * half, P);
     for (int pp = 0; pp < 2; ++pp) {
       const int p = 2 * half + pp;
       __m512i tl[R], th[R];
@@ -696,14 +717,14 @@ inline void q4k_fused(const uint8_t* const* rows, int64_t off, const int8_t* con
 }
 
 // Q6_K at up to 4 activation rows, the same way: each step's values assembled and dotted at once.
-template <int R>
-inline void q6k_fused(const uint8_t* const* rows, int64_t off, const int8_t* const* x, int32_t (*scm)[16], __m512i* A) {
+template <int R, class Src>
+inline void q6k_fused(const Src& src, const int8_t* const* x, int32_t (*scm)[16], __m512i* A) {
   const __m512i f4 = _mm512_set1_epi32(0x0F0F0F0F), m33 = _mm512_set1_epi32(0x33333333);
   __m512i QH[16];
-  V512::transpose(rows, off + 128, QH);
+  src.t16(128, QH);
   for (int h = 0; h < 2; ++h) {
     __m512i P[16];
-    V512::transpose(rows, off + 64 * h, P);
+    src.t16(64 * h, P);
     for (int t = 0; t < 4; ++t) {  // values 128 h + 32 t + 4 c: sub-blocks 8 h + 2 t (c < 4) and the next
       __m512i acc0[R], acc1[R];
       for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_si512();
@@ -891,8 +912,9 @@ struct Group {
   }
 
   // `next`..`next_end`: the next group's bytes, to prefetch (null: none)
+  // `tiles`: the group's interleaved tiles (null: the rows as the file has them)
   void run(const uint8_t* W, int64_t rbytes, int64_t n0, int valid, int64_t N, float* Y, uint8_t* U, float* acc, const char* next,
-           const char* next_end) {
+           const char* next_end, const uint8_t* tiles) {
     const int64_t nb = a.nb, R = a.R;
     const int64_t steps = (nb + BPS - 1) / BPS;
     const int64_t pf_step = next ? ((next_end - next) / steps + 64) & ~int64_t(63) : 0;
@@ -915,36 +937,47 @@ struct Group {
       }
       bool fast = false;
 #if I8_VNNI512
-      if constexpr (std::is_same<P, V512>::value && (T == 12 || T == 14)) {
-        if (R <= 4) {  // Q4_K and Q6_K at a few rows: unpacked and dotted in registers
-          repack_k16<T, false>(rowp, b0, _mm512_load_si512(idx), Tw, scm, mpm, dw[0], dm[0]);
-          const int8_t* x[4];
-          VI A[4];
-          for (int i = 0; i < 4; ++i) {
-            x[i] = a.q.data() + std::min<int64_t>(i, R - 1) * a.K + b0 * 256;
-            A[i] = P::zero();
-          }
-          const int64_t off = b0 * k.bytes;
-          const VF dwv = P::fload(dw[0]), dmv = P::fload(dm[0]);
-          auto fused = [&](auto rows_c) {
-            constexpr int RR = decltype(rows_c)::value;
-            if constexpr (T == 12)
-              q4k_fused<RR>(rowp, off, x, scm, A);
-            else
-              q6k_fused<RR>(rowp, off, x, scm, A);
-            finish<RR>(0, b0, A, dwv, dmv, acc);
-          };
-          switch (R) {
-            case 4: fused(std::integral_constant<int, 4>{}); break;
-            case 3: fused(std::integral_constant<int, 3>{}); break;
-            case 2: fused(std::integral_constant<int, 2>{}); break;
-            default: fused(std::integral_constant<int, 1>{}); break;
-          }
+      if constexpr (std::is_same<P, V512>::value && k.bs == 256) {
+        // the block's 16 rows from the interleaved tiles, or transposed from the rows
+        auto blockwise = [&](auto&& body) {
+          if (tiles)
+            body(Tile{tiles + b0 * 16 * k.bytes});
+          else
+            body(Rows{rowp, b0 * k.bytes, _mm512_load_si512(idx)});
+        };
+        // Q4_K and Q6_K at a few rows (Q4_K from tiles at any count: its nibbles split again per
+        // pass from L1 cost less than storing them; Q6_K's assembly does not): unpacked and dotted
+        // in registers, 4 activation rows a pass
+        if (T != 13 && (R <= 4 || (T == 12 && tiles))) {
+          blockwise([&](const auto& src) {
+            repack_k16<T, false>(src, Tw, scm, mpm, dw[0], dm[0]);
+            const VF dwv = P::fload(dw[0]), dmv = P::fload(dm[0]);
+            for (int64_t r0 = 0; r0 < R; r0 += 4) {
+              const int8_t* x[4];
+              VI A[4];
+              for (int i = 0; i < 4; ++i) {
+                x[i] = a.q.data() + std::min<int64_t>(r0 + i, R - 1) * a.K + b0 * 256;
+                A[i] = P::zero();
+              }
+              auto fused = [&](auto rows_c) {
+                constexpr int RR = decltype(rows_c)::value;
+                if constexpr (T == 12)
+                  q4k_fused<RR>(src, x, scm, A);
+                else if constexpr (T == 14)
+                  q6k_fused<RR>(src, x, scm, A);
+                finish<RR>(r0, b0, A, dwv, dmv, acc);
+              };
+              switch (std::min<int64_t>(R - r0, 4)) {
+                case 4: fused(std::integral_constant<int, 4>{}); break;
+                case 3: fused(std::integral_constant<int, 3>{}); break;
+                case 2: fused(std::integral_constant<int, 2>{}); break;
+                default: fused(std::integral_constant<int, 1>{}); break;
+              }
+            }
+          });
           continue;
         }
-      }
-      if constexpr (std::is_same<P, V512>::value && k.bs == 256) {
-        repack_k16<T>(rowp, b0, _mm512_load_si512(idx), Tw, scm, mpm, dw[0], dm[0]);
+        blockwise([&](const auto& src) { repack_k16<T>(src, Tw, scm, mpm, dw[0], dm[0]); });
         fast = true;
       }
       if constexpr (std::is_same<P, V512>::value && k.bs == 32) {
@@ -1073,7 +1106,7 @@ void run_row1_q6k(const uint8_t* W, int64_t N, int64_t K, const Acts& a, float* 
 #endif
 
 template <class P, int T>
-void run_simd(const uint8_t* W, int64_t N, int64_t K, const Acts& a, float* Y) {
+void run_simd(const uint8_t* W, int64_t N, int64_t K, const Acts& a, float* Y, bool tiled = false) {
   constexpr int L = P::L;
   const Kind k = kind_of(T);
   const int64_t rb = row_bytes_of(T, K);
@@ -1082,7 +1115,7 @@ void run_simd(const uint8_t* W, int64_t N, int64_t K, const Acts& a, float* Y) {
   const int64_t groups = (N + L - 1) / L;
 #if I8_VNNI512
   if constexpr (std::is_same<P, V512>::value && T == 14) {
-    if (a.R == 1) {
+    if (a.R == 1 && !tiled) {
       run_row1_q6k(W, N, K, a, Y);
       return;
     }
@@ -1098,7 +1131,8 @@ void run_simd(const uint8_t* W, int64_t N, int64_t K, const Acts& a, float* Y) {
       const int64_t n0 = g * L;
       const char* next = g + 1 < g1 ? reinterpret_cast<const char*>(W + (n0 + L) * rb) : nullptr;
       const char* next_end = g + 1 < g1 ? reinterpret_cast<const char*>(W + std::min<int64_t>(n0 + 2 * L, N) * rb) : nullptr;
-      grp.run(W, rb, n0, static_cast<int>(std::min<int64_t>(L, N - n0)), N, Y, U.data(), acc, next, next_end);
+      grp.run(W, rb, n0, static_cast<int>(std::min<int64_t>(L, N - n0)), N, Y, U.data(), acc, next, next_end,
+              tiled ? W + n0 * rb : nullptr);
     }
   });
 }
@@ -1116,6 +1150,48 @@ void run_path(int64_t t, const uint8_t* W, int64_t N, int64_t K, const Acts& a, 
     case 14: run_simd<P, 14>(W, N, K, a, Y); break;
     case ROW_I8: run_simd<P, 100>(W, N, K, a, Y); break;
   }
+}
+
+// ---- the interleaved layout ---------------------------------------------------------------------
+// A K-quant weight laid out for the AVX-512 kernel at load: each group of 16 rows, block by block,
+// as one tile of 16 x the block's bytes holding what the kernel would otherwise transpose from the
+// rows at every product (dword c of the 16 rows' block at 64 c + 4 l, Q6_K's trailing fp16 d at 16 x
+// 208 + 2 l). A weight keeps its [N, row bytes] shape; N must be a multiple of 16.
+constexpr int64_t TILED = 256;  // qtype | TILED: the weight is interleaved
+
+bool tiles_take(int64_t t) {
+#if I8_VNNI512
+  return t == 12 || t == 13 || t == 14;
+#else
+  (void)t;
+  return false;
+#endif
+}
+
+// rows -> tiles (forward) or tiles -> rows
+void retile(const uint8_t* in, uint8_t* out, int64_t t, int64_t N, int64_t rb, bool forward) {
+  const int64_t bytes = kind_of(t).bytes, nb = rb / bytes, dwords = bytes / 4;
+  at::parallel_for(0, N / 16 * nb, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = i / nb, b = i % nb;
+      uint8_t* tile = (forward ? out : const_cast<uint8_t*>(in)) + g * 16 * rb + b * 16 * bytes;
+      for (int l = 0; l < 16; ++l) {
+        uint8_t* row = (forward ? const_cast<uint8_t*>(in) : out) + (g * 16 + l) * rb + b * bytes;
+        for (int64_t c = 0; c < dwords; ++c) {
+          if (forward)
+            std::memcpy(tile + 64 * c + 4 * l, row + 4 * c, 4);
+          else
+            std::memcpy(row + 4 * c, tile + 64 * c + 4 * l, 4);
+        }
+        if (bytes % 4) {  // Q6_K's d
+          if (forward)
+            std::memcpy(tile + 16 * (bytes - 2) + 2 * l, row + bytes - 2, 2);
+          else
+            std::memcpy(row + bytes - 2, tile + 16 * (bytes - 2) + 2 * l, 2);
+        }
+      }
+    }
+  });
 }
 
 std::vector<int64_t> built_paths() {
@@ -1146,6 +1222,8 @@ int64_t best_path() {
 
 void check(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const char* who) {
   TORCH_CHECK(int8_type_known(qtype), who, ": unknown type ", qtype);
+  if (qtype & TILED) TORCH_CHECK(w.size(0) % 16 == 0, who, ": an interleaved weight has a multiple of 16 rows");
+  qtype &= ~TILED;
   const int64_t k_len = x.size(-1), bs = kind_of(qtype).bs;
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), who, ": a contiguous float32 input");
   TORCH_CHECK(k_len % bs == 0, who, ": the row length ", k_len, " is not a multiple of the block (", bs, ")");
@@ -1155,7 +1233,22 @@ void check(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const char* 
 
 }  // namespace
 
-bool int8_type_known(int64_t qtype) { return kind_of(qtype).bs != 0; }
+bool int8_type_known(int64_t qtype) { return kind_of(qtype & ~TILED).bs != 0 && (!(qtype & TILED) || tiles_take(qtype & ~TILED)); }
+
+bool int8_interleaves(int64_t qtype) { return tiles_take(qtype); }
+
+at::Tensor int8_interleave(const at::Tensor& w, int64_t qtype, bool forward) {
+  TORCH_CHECK(tiles_take(qtype), "int8_interleave: type ", qtype, " is not interleaved here");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(0) % 16 == 0 && w.size(1) % kind_of(qtype).bytes == 0,
+              "int8_interleave: a [16 n, blocks x bytes] uint8 weight");
+  auto wc = w.contiguous();
+  // 64-byte aligned: a Q4_K / Q5_K tile is a whole number of cache lines
+  auto buf = at::empty({wc.numel() + 64}, wc.options());
+  const int64_t shift = (64 - reinterpret_cast<uintptr_t>(buf.data_ptr<uint8_t>()) % 64) % 64;
+  auto out = buf.narrow(0, shift, wc.numel()).view({wc.size(0), wc.size(1)});
+  retile(wc.data_ptr<uint8_t>(), out.data_ptr<uint8_t>(), qtype, wc.size(0), wc.size(1), forward);
+  return out;
+}
 
 std::vector<int64_t> int8_paths() { return built_paths(); }
 
@@ -1169,8 +1262,15 @@ void int8_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const at
   const auto paths = built_paths();
   TORCH_CHECK(std::find(paths.begin(), paths.end(), path) != paths.end(), "int8_into: path ", path, " is not built here");
   if (R == 0) return;
+  const bool tiled = qtype & TILED;
+  qtype &= ~TILED;
   const Acts a = quantize_acts(x.data_ptr<float>(), R, K, kind_of(qtype).bs);
   const uint8_t* W = w.data_ptr<uint8_t>();
+  at::Tensor rows;
+  if (tiled && path != VNNI512) {  // another path (the tests force each): the rows back first
+    rows = int8_interleave(w, qtype, false);
+    W = rows.data_ptr<uint8_t>();
+  }
   float* Y = out.data_ptr<float>();
   switch (path) {
     case GENERIC: run_generic(qtype, W, N, K, a, Y); break;
@@ -1178,7 +1278,14 @@ void int8_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const at
     case AVX2: run_path<A256>(qtype, W, N, K, a, Y); break;
 #endif
 #if I8_VNNI512
-    case VNNI512: run_path<V512>(qtype, W, N, K, a, Y); break;
+    case VNNI512:
+      switch (tiled ? qtype : 0) {
+        case 12: run_simd<V512, 12>(W, N, K, a, Y, true); break;
+        case 13: run_simd<V512, 13>(W, N, K, a, Y, true); break;
+        case 14: run_simd<V512, 14>(W, N, K, a, Y, true); break;
+        default: run_path<V512>(qtype, W, N, K, a, Y);
+      }
+      break;
 #endif
 #if I8_VNNI256
     case VNNI256: run_path<N256>(qtype, W, N, K, a, Y); break;
@@ -1206,6 +1313,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
 at::Tensor int8_quantize(const at::Tensor& x, int64_t qtype) {
   TORCH_CHECK(int8_type_known(qtype), "int8_quantize: unknown type ", qtype);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_quantize: a [R, K] float32 input");
+  qtype &= ~TILED;
   const int64_t bs = kind_of(qtype).bs, K = x.size(1), R = x.size(0);
   TORCH_CHECK(K % bs == 0, "int8_quantize: the row length is not a multiple of the block (", bs, ")");
   auto xc = x.contiguous();

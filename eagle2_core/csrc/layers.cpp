@@ -411,6 +411,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none());
   m.def("block_type_known", &block_type_known, "whether block_linear takes this GGML type");
   m.def("int8_type_known", &int8_type_known, "whether int8_linear takes this type");
+  m.def("int8_interleaves", &int8_interleaves, "whether int8_linear reads this type interleaved (qtype | 256) here");
+  m.def("int8_interleave", &int8_interleave, "a [16 n, row bytes] block weight in the interleaved layout (forward) or back",
+        py::arg("w"), py::arg("qtype"), py::arg("forward") = true);
   m.def("int8_paths", &int8_paths, "the int8 SIMD paths built here: 1 generic, 2 AVX2, 3 AVX512-VNNI, 4 256-bit VNNI");
   m.def("int8_linear", &int8_linear, "x @ w.T (+ bias) over a block weight in integer arithmetic (8-bit activations)",
         py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("bias") = py::none(), py::arg("path") = 0);

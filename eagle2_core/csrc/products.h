@@ -33,6 +33,9 @@ at::Tensor block_rows(const at::Tensor& w, int64_t qtype, int64_t k_len, const c
 // on every SIMD path (int8.cpp's head comment defines it; tests/int8_reference.py is it in numpy).
 // Paths: 1 generic C++, 2 AVX2, 3 AVX512-VNNI, 4 256-bit VNNI; 0 is the best built here.
 bool int8_type_known(int64_t qtype);
+// qtype | 256: the weight interleaved for the AVX-512 kernel (int8.cpp: the interleaved layout)
+bool int8_interleaves(int64_t qtype);
+at::Tensor int8_interleave(const at::Tensor& w, int64_t qtype, bool forward);
 std::vector<int64_t> int8_paths();
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const c10::optional<at::Tensor>& bias,
                        int64_t path);
