@@ -168,7 +168,7 @@ def test_wrong_shapes_and_types_are_refused(mod):
         mod.int8_linear(torch.randn(2, 256), w, 12, None, 9)
 
 
-TILED_TYPES = [t for t in (12, 13, 14) if native.module() is not None and native.module().int8_interleaves(t)]
+TILED_TYPES = [t for t in TYPES if native.module() is not None and native.module().int8_interleaves(t)]
 
 
 @pytest.mark.skipif(not TILED_TYPES, reason="no interleaved int8 kernel is built here (AVX-512 VNNI)")
@@ -177,7 +177,7 @@ def test_interleaved_weights_give_the_reference_bits_on_every_path(mod, qtype):
     """The layout interleaved at load (16 rows' blocks as one tile) is read back to the very bits of
     the file's layout, at every row count (the fused few-row steps and the stored ones) and path."""
     rng = np.random.default_rng(200 + qtype)
-    n, k = 48, 3 * 256
+    n, k = 48, (3 * 256 if ref.BLOCKS[qtype][0] == 256 else 5 * 32)  # an odd count of 32-value blocks
     w = random_weight(qtype, n, k, rng)
     wt = torch.from_numpy(w)
     tiled = mod.int8_interleave(wt, qtype)
@@ -196,4 +196,4 @@ def test_interleaving_refuses_what_it_cannot_lay_out(mod):
         with pytest.raises(RuntimeError, match="multiple of 16 rows"):
             mod.int8_linear(torch.randn(1, 256), torch.zeros(8, 144, dtype=torch.uint8), 12 | 256)
     with pytest.raises(RuntimeError, match="not interleaved"):
-        mod.int8_interleave(torch.zeros(16, 34, dtype=torch.uint8), 8)
+        mod.int8_interleave(torch.zeros(16, 36, dtype=torch.uint8), ref.ROW_I8)  # its row scale leads each row

@@ -754,6 +754,19 @@ inline void q6k_fused(const Src& src, const int8_t* const* x, int32_t (*scm)[16]
   }
 }
 
+// Q5_0 / Q5_1: 16 added to value j where bit j of the block's 32-bit qh (one row's per lane) is set,
+// over the block's 8 steps o[st] (values 4 st .. 4 st + 3 of each lane's row)
+inline void add_qh16(__m512i QH, __m512i* o) {
+  const __m512i at = _mm512_set_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0, 0x0C0C0C0C, 0x08080808, 0x04040404, 0,
+                                      0x0C0C0C0C, 0x08080808, 0x04040404, 0, 0x0C0C0C0C, 0x08080808, 0x04040404, 0);
+  const __m512i sixteen = _mm512_set1_epi8(16);
+  for (int st = 0; st < 8; ++st) {  // qh's byte st / 2 in each of the dword's bytes, tested bit by bit
+    const __m512i b = _mm512_shuffle_epi8(QH, _mm512_add_epi8(at, _mm512_set1_epi8(static_cast<char>(st >> 1))));
+    const __mmask64 m = _mm512_test_epi8_mask(b, _mm512_set1_epi32(st & 1 ? static_cast<int>(0x80402010u) : 0x08040201));
+    o[st] = _mm512_mask_add_epi8(o[st], m, o[st], sixteen);
+  }
+}
+
 // AVX-512: two 32-value blocks of 16 weight rows made ready from the rows' bytes (the second block
 // repeats the first where the row has one block left: its steps are not used): the packed values
 // transposed, a dword of one row per lane, then split; d (and m) of the 16 rows gathered.
@@ -799,17 +812,38 @@ inline void repack_32x16(const uint8_t* const* rows, int64_t b, bool two, __m512
         o[c] = _mm512_and_si512(P[4 * i + c], f4);
         o[4 + c] = _mm512_and_si512(_mm512_srli_epi32(P[4 * i + c], 4), f4);
       }
-      if constexpr (T == 6 || T == 7) {  // bit j of the block's 32-bit qh: 16 at value j
-        const __m512i QH = _mm512_i32gather_epi32(idx, rows[0] + (i ? o1 : o0) + (T == 6 ? 2 : 4), 1);
-        const __m512i at = _mm512_set_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0, 0x0C0C0C0C, 0x08080808, 0x04040404, 0,
-                                            0x0C0C0C0C, 0x08080808, 0x04040404, 0, 0x0C0C0C0C, 0x08080808, 0x04040404, 0);
-        const __m512i sixteen = _mm512_set1_epi8(16);
-        for (int st = 0; st < 8; ++st) {  // values 4 st .. 4 st + 3: qh's byte st / 2 in each of the dword's bytes, tested bit by bit
-          const __m512i b = _mm512_shuffle_epi8(QH, _mm512_add_epi8(at, _mm512_set1_epi8(static_cast<char>(st >> 1))));
-          const __mmask64 m = _mm512_test_epi8_mask(b, _mm512_set1_epi32(st & 1 ? static_cast<int>(0x80402010u) : 0x08040201));
-          o[st] = _mm512_mask_add_epi8(o[st], m, o[st], sixteen);
-        }
+      if constexpr (T == 6 || T == 7)
+        add_qh16(_mm512_i32gather_epi32(idx, rows[0] + (i ? o1 : o0) + (T == 6 ? 2 : 4), 1), o);
+    }
+  }
+}
+#endif
+
+#if I8_VNNI512
+// The same two 32-value blocks of 16 rows from their interleaved tiles (tile_layout): d (and m) of
+// the 16 rows as 16 fp16 each, then the blocks' dwords, a dword of one row per lane, split as
+// repack_32x16 splits them.
+template <int T>
+inline void tiles_32x16(const uint8_t* t0, const uint8_t* t1, __m512i* Tw, float (*dw)[16], float (*dm)[16]) {
+  constexpr int head = T == 3 || T == 7 ? 2 : 1;  // fp16 fields before the values: d (and m)
+  const __m512i f4 = _mm512_set1_epi32(0x0F0F0F0F);
+  for (int i = 0; i < 2; ++i) {
+    const uint8_t* t = i ? t1 : t0;
+    _mm512_store_ps(dw[i], _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t))));
+    _mm512_store_ps(dm[i], head == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32))) : _mm512_setzero_ps());
+    const uint8_t* body = t + 32 * head;
+    __m512i* o = Tw + 8 * i;
+    if constexpr (T == 8) {  // 32 signed bytes: + 128
+      const __m512i flip = _mm512_set1_epi32(static_cast<int>(0x80808080u));
+      for (int st = 0; st < 8; ++st) o[st] = _mm512_xor_si512(_mm512_loadu_si512(body + 64 * st), flip);
+    } else {
+      const int q = T == 6 || T == 7 ? 1 : 0;  // Q5's qh dword first
+      for (int c = 0; c < 4; ++c) {
+        const __m512i P = _mm512_loadu_si512(body + 64 * (q + c));
+        o[c] = _mm512_and_si512(P, f4);
+        o[4 + c] = _mm512_and_si512(_mm512_srli_epi32(P, 4), f4);
       }
+      if constexpr (T == 6 || T == 7) add_qh16(_mm512_loadu_si512(body), o);
     }
   }
 }
@@ -981,7 +1015,12 @@ struct Group {
         fast = true;
       }
       if constexpr (std::is_same<P, V512>::value && k.bs == 32) {
-        repack_32x16<T>(rowp, b0, nbl == 2, _mm512_load_si512(idx), rs, Tw, dw, dm);
+        if (tiles && T != ROW_I8) {
+          const uint8_t* t0 = tiles + b0 * 16 * k.bytes;
+          tiles_32x16<T>(t0, nbl == 2 ? t0 + 16 * k.bytes : t0, Tw, dw, dm);
+        } else {
+          repack_32x16<T>(rowp, b0, nbl == 2, _mm512_load_si512(idx), rs, Tw, dw, dm);
+        }
         fast = true;
       }
 #endif
@@ -1153,15 +1192,30 @@ void run_path(int64_t t, const uint8_t* W, int64_t N, int64_t K, const Acts& a, 
 }
 
 // ---- the interleaved layout ---------------------------------------------------------------------
-// A K-quant weight laid out for the AVX-512 kernel at load: each group of 16 rows, block by block,
-// as one tile of 16 x the block's bytes holding what the kernel would otherwise transpose from the
-// rows at every product (dword c of the 16 rows' block at 64 c + 4 l, Q6_K's trailing fp16 d at 16 x
-// 208 + 2 l). A weight keeps its [N, row bytes] shape; N must be a multiple of 16.
+// A weight laid out for the AVX-512 kernel at load: each group of 16 rows, block by block, as one
+// tile of 16 x the block's bytes holding what the kernel would otherwise gather and transpose from
+// the rows at every product. A block is read as fp16 fields, dwords, fp16 fields (Layout); in its
+// tile each field or dword keeps its place in the block's order, the 16 rows' copies side by side
+// (row l's at 2 l or 4 l): so dword c of a K-quant block (no leading fields) is at 64 c + 4 l, and
+// Q6_K's trailing d at 16 x 208 + 2 l. A weight keeps its [N, row bytes] shape; N is a multiple of 16.
 constexpr int64_t TILED = 256;  // qtype | TILED: the weight is interleaved
+
+struct Layout {
+  int head, dwords, tail;  // fp16 fields before the dwords, dwords, fp16 fields after
+};
+constexpr Layout layout_of(int64_t t) {
+  switch (t) {
+    case 2: case 6: case 8: return {1, (kind_of(t).bytes - 2) / 4, 0};  // d, values
+    case 3: case 7: return {2, (kind_of(t).bytes - 4) / 4, 0};          // d, m, values
+    case 12: case 13: return {0, kind_of(t).bytes / 4, 0};
+    case 14: return {0, 52, 1};                                        // ql, qh, scales, then d
+  }
+  return {0, 0, 0};
+}
 
 bool tiles_take(int64_t t) {
 #if I8_VNNI512
-  return t == 12 || t == 13 || t == 14;
+  return t != ROW_I8 && kind_of(t).bs != 0;
 #else
   (void)t;
   return false;
@@ -1170,25 +1224,26 @@ bool tiles_take(int64_t t) {
 
 // rows -> tiles (forward) or tiles -> rows
 void retile(const uint8_t* in, uint8_t* out, int64_t t, int64_t N, int64_t rb, bool forward) {
-  const int64_t bytes = kind_of(t).bytes, nb = rb / bytes, dwords = bytes / 4;
+  const int64_t bytes = kind_of(t).bytes, nb = rb / bytes;
+  const Layout lay = layout_of(t);
   at::parallel_for(0, N / 16 * nb, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t g = i / nb, b = i % nb;
       uint8_t* tile = (forward ? out : const_cast<uint8_t*>(in)) + g * 16 * rb + b * 16 * bytes;
       for (int l = 0; l < 16; ++l) {
         uint8_t* row = (forward ? const_cast<uint8_t*>(in) : out) + (g * 16 + l) * rb + b * bytes;
-        for (int64_t c = 0; c < dwords; ++c) {
+        int64_t at = 0;  // the unit's offset in the block; its copies start at 16 x that in the tile
+        auto move = [&](int unit) {
+          uint8_t* tp = tile + 16 * at + unit * l;
           if (forward)
-            std::memcpy(tile + 64 * c + 4 * l, row + 4 * c, 4);
+            std::memcpy(tp, row + at, unit);
           else
-            std::memcpy(row + 4 * c, tile + 64 * c + 4 * l, 4);
-        }
-        if (bytes % 4) {  // Q6_K's d
-          if (forward)
-            std::memcpy(tile + 16 * (bytes - 2) + 2 * l, row + bytes - 2, 2);
-          else
-            std::memcpy(row + bytes - 2, tile + 16 * (bytes - 2) + 2 * l, 2);
-        }
+            std::memcpy(row + at, tp, unit);
+          at += unit;
+        };
+        for (int f = 0; f < lay.head; ++f) move(2);
+        for (int c = 0; c < lay.dwords; ++c) move(4);
+        for (int f = 0; f < lay.tail; ++f) move(2);
       }
     }
   });
@@ -1239,6 +1294,8 @@ bool int8_interleaves(int64_t qtype) { return tiles_take(qtype); }
 
 at::Tensor int8_interleave(const at::Tensor& w, int64_t qtype, bool forward) {
   TORCH_CHECK(tiles_take(qtype), "int8_interleave: type ", qtype, " is not interleaved here");
+  const Layout lay = layout_of(qtype);
+  TORCH_CHECK(2 * (lay.head + lay.tail) + 4 * lay.dwords == kind_of(qtype).bytes, "int8_interleave: no layout for type ", qtype);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(0) % 16 == 0 && w.size(1) % kind_of(qtype).bytes == 0,
               "int8_interleave: a [16 n, blocks x bytes] uint8 weight");
   auto wc = w.contiguous();
@@ -1280,6 +1337,11 @@ void int8_into(const at::Tensor& x, const at::Tensor& w, int64_t qtype, const at
 #if I8_VNNI512
     case VNNI512:
       switch (tiled ? qtype : 0) {
+        case 2: run_simd<V512, 2>(W, N, K, a, Y, true); break;
+        case 3: run_simd<V512, 3>(W, N, K, a, Y, true); break;
+        case 6: run_simd<V512, 6>(W, N, K, a, Y, true); break;
+        case 7: run_simd<V512, 7>(W, N, K, a, Y, true); break;
+        case 8: run_simd<V512, 8>(W, N, K, a, Y, true); break;
         case 12: run_simd<V512, 12>(W, N, K, a, Y, true); break;
         case 13: run_simd<V512, 13>(W, N, K, a, Y, true); break;
         case 14: run_simd<V512, 14>(W, N, K, a, Y, true); break;
