@@ -31,8 +31,8 @@ def vm_rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def post(base: str, body: dict) -> dict:
-    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def post(base: str, body: dict, route: str = "/v1/completions") -> dict:
+    req = urllib.request.Request(base + route, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=3600) as r:
         return json.loads(r.read())
 
@@ -60,8 +60,9 @@ def main(argv=None) -> int:
         before = short_times(base, args.short)
         rss0 = vm_rss_mb(proc.pid)
         t0 = time.perf_counter()
-        r = post(base, {"prompt": "Write a very long story about a lighthouse keeper, chapter by chapter.", "max_tokens": args.long,
-                        "temperature": 0})
+        # a chat request: the instruct model answers at length (a bare completion prompt may end at once)
+        r = post(base, {"messages": [{"role": "user", "content": "Write a very long story about a lighthouse keeper, chapter by chapter."}],
+                        "max_tokens": args.long, "temperature": 0}, "/v1/chat/completions")
         long_s = time.perf_counter() - t0
         time.sleep(1.0)
         after = short_times(base, args.short)
