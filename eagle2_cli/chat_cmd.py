@@ -150,7 +150,9 @@ class ChatApp:
                 view.set_stats(self._panel(summary, tree, extra="running vanilla on the same prompt..."))
                 v_tokens, vanilla = rt.vanilla().generate(ids, rt.gen)
                 self.vanilla_turns.append(vanilla)
-                if rt.gen.temperature <= 0:
+                from eagle2_core.events import samples
+
+                if not samples(rt.gen.temperature):
                     # in int8 vanilla `generate` runs the float32 model: a difference is said, not a fault
                     ref = "vanilla (float32)" if rt.arithmetic == "int8" else "vanilla"
                     i = first_difference(detok.ids, v_tokens)
@@ -356,7 +358,7 @@ def key_bindings():
               help="Prefill every turn's whole conversation again instead of continuing the kept cache of the last one.")
 @click.option("--history", "history_file", type=click.Path(dir_okay=False), default=None,
               help="Input history file [default: ~/.cache/eagle2/chat_history, or under $XDG_CACHE_HOME / $EAGLE2_CACHE].")
-@common_options
+@common_options(no_speculation=True)
 def chat(prompts, show_draft, compare_each, no_baseline, baseline_tokens, no_calibrate, calibration_tokens, no_prefix_cache,
          history_file, common):
     """Chat with a model, EAGLE-2 decoding, with live speed statistics.

@@ -115,7 +115,7 @@ def divergence_text(d, decode, reference: str = "vanilla") -> str:
               help="Run the eagle2 row batched: N sequences per cycle (continuous batching), the tree size chosen by measured "
                    "cost; vanilla stays batch-1 generate, so identical counts are against it. See also --against batch:B[xN].")
 @click.option("--warmup-tokens", type=click.IntRange(min=0), default=8, show_default=True, help="Tokens per method in the warm-up run.")
-@common_options(max_new_tokens=128)
+@common_options(max_new_tokens=128, no_speculation=True)
 def compare(vanilla, input_path, dataset, limit, against, plain, assistant, json_path, plot_path, batch_size, warmup_tokens, common):
     """Compare EAGLE-2 with Hugging Face generate on the same prompts, in one process.
 

@@ -42,7 +42,7 @@ Examples:
                    "auto: the size that this machine's measured costs say is fastest; 1: one prompt at a time.")
 @click.option("--no-prefix-cache", is_flag=True,
               help="Prefill a conversation's later turns whole instead of continuing the kept cache of its earlier turn.")
-@common_options
+@common_options(no_speculation=True)
 def generate(input_path, output_path, overwrite, no_progress, batch_size, no_prefix_cache, common):
     """Generate answers for every prompt in a JSONL file.
 

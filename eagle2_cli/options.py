@@ -46,6 +46,7 @@ class CommonOptions:
     system_prompt: str | None
     chat_template: str | None
     compile: bool | None
+    no_speculation: bool = False  # plain decoding: no head, no draft source, trees of one node
 
     def generation_overrides(self) -> dict:
         """The generation flags the user gave (None = not given: the model's generation_config decides)."""
@@ -65,6 +66,7 @@ class CommonOptions:
 
         from .ui import status
 
+        need_head = need_head and not self.no_speculation
         if self.system_prompt and text_problem(self.system_prompt):  # argv bytes that are not UTF-8: said before loading
             raise InputError(text_problem(self.system_prompt), path="--system-prompt")
         quiet_transformers()
@@ -204,20 +206,46 @@ def _options(max_new_tokens: int):
 COMMON_FIELDS = tuple(f.name for f in fields(CommonOptions))
 
 
-def common_options(f=None, *, max_new_tokens: int = 256):
+NO_SPECULATION = click.option(
+    "--no-speculation", is_flag=True,
+    help="Plain decoding, the baseline speculation is measured against: one token per target forward, as --total-tokens 1, "
+         "with no draft head or draft source loaded.")
+
+
+def check_no_speculation(common: CommonOptions) -> None:
+    """--no-speculation beside an option that asks for drafting is a usage error; a draft head named
+    in the environment (EAGLE2_DRAFT, EAGLE2_DRAFT_SOURCES) is set aside instead, as the flag says."""
+    from click.core import ParameterSource
+
+    if not common.no_speculation:
+        return
+    ctx = click.get_current_context()
+    for name in ("draft", "draft_sources"):
+        if getattr(common, name) is not None and ctx.get_parameter_source(name) != ParameterSource.ENVIRONMENT:
+            raise UserInputError(f"--no-speculation loads no draft: it cannot be combined with --{name.replace('_', '-')}")
+        setattr(common, name, None)
+    if common.total_tokens not in (None, 1):
+        raise UserInputError(f"--no-speculation verifies one token per forward: it cannot be combined with --total-tokens "
+                               f"{common.total_tokens}")
+    common.total_tokens = 1
+
+
+def common_options(f=None, *, max_new_tokens: int = 256, no_speculation: bool = False):
     """Add the shared options; the command receives them as one `common: CommonOptions` argument.
+    `no_speculation`: the command takes --no-speculation too (the decoding commands).
 
     Put it directly above the function so command-specific options list first in --help.
     """
     def deco(func):
         @functools.wraps(func)
         def wrapper(*args, **kwargs):
-            common = CommonOptions(**{k: kwargs.pop(k) for k in COMMON_FIELDS})
+            common = CommonOptions(**{k: kwargs.pop(k) for k in COMMON_FIELDS if k in kwargs})
             if common.load_in_8bit and common.load_in_4bit:
                 raise click.UsageError("--load-in-8bit and --load-in-4bit exclude each other")
+            check_no_speculation(common)
             return func(*args, common=common, **kwargs)
 
-        for opt in reversed(_options(max_new_tokens)):
+        for opt in reversed(_options(max_new_tokens) + ([NO_SPECULATION] if no_speculation else [])):
             wrapper = opt(wrapper)
         return wrapper
 

@@ -38,9 +38,13 @@ Examples:
 @click.option("--no-prefix-cache", is_flag=True, help="Prefill every prompt whole instead of restoring kept sequences' prefixes.")
 @click.option("--prefix-cache-mb", type=click.FloatRange(min=0), default=None,
               help="Memory for kept sequences (least recently used evicted first) [default: 1024, or an eighth of RAM if less].")
-@common_options
+@click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=16.0, show_default=True,
+              help="Largest request body; a larger one is refused (413) before it is read whole.")
+@click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="Seconds a connection may take to send a whole request head before it is closed.")
+@common_options(no_speculation=True)
 def serve(host, port, api_key, cors, batch_size, max_queue, grace, prefill_chunk, served_model_name, no_prefix_cache, prefix_cache_mb,
-          common):
+          max_body_mb, header_timeout, common):
     """Serve the model over an OpenAI-compatible HTTP API, EAGLE-2 decoding.
 
     Every request joins the one engine's running batch (continuous batching) and carries its own
@@ -52,7 +56,7 @@ def serve(host, port, api_key, cors, batch_size, max_queue, grace, prefill_chunk
 
     import uvicorn
 
-    from eagle2_core.server import create_app
+    from eagle2_core.server import create_app, head_timeout_protocol
 
     from .ui import consoles
 
@@ -70,9 +74,19 @@ def serve(host, port, api_key, cors, batch_size, max_queue, grace, prefill_chunk
         engine = rt.eagle()
     engine.prefill_chunk = prefill_chunk or None
     name = served_model_name or rt.target.name
-    app, worker = create_app(rt, engine, model_name=name, api_key=api_key, cors=cors, max_queue=max_queue)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace, lifespan="on")
+    app, worker = create_app(rt, engine, model_name=name, api_key=api_key, cors=cors, max_queue=max_queue, max_body_mb=max_body_mb)
+    # uvicorn's own deadline comes a little after ours: at --grace the app ends what still runs
+    # with a last event each, and uvicorn then only waits for those to be sent
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace + 10, lifespan="on",
+                            http=head_timeout_protocol(header_timeout))
+
     class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            import asyncio
+
+            asyncio.get_running_loop().call_later(grace, app.state.stopping.set)
+            await super().shutdown(sockets)
+
         def handle_exit(self, sig, frame):
             super().handle_exit(sig, frame)
             # uvicorn raises a caught signal again once it has shut down, which ends the process

@@ -54,6 +54,9 @@ def children_lists(parents: list[int]) -> list[list[int]]:
 def inverse_cdf(probs: torch.Tensor, u: float) -> int:
     """The token at which the cumulative distribution first exceeds u (of the row's total mass)."""
     c = probs.double().cumsum(-1)
+    total = float(c[-1])
+    if not total > 0 or total == float("inf"):  # NaN scores would draw the last id every time
+        raise FloatingPointError("the next-token distribution is not a number (NaN or infinite scores): nothing to sample from")
     return int(torch.searchsorted(c, torch.tensor([u * float(c[-1])], dtype=c.dtype), right=True).clamp(max=probs.shape[-1] - 1))
 
 

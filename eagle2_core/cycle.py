@@ -288,13 +288,34 @@ class Cycle:
         return True
 
     def ensure_capacity(self, need: int) -> None:
+        """Room for `need` cells per row and one tree past them. Live mode doubles: growing by
+        what each cycle adds would copy every buffer every cycle."""
         cap = self._capacity(min(need, self.run.max_positions))
         if cap > self.capacity:
             cap = cap if self.fixed else max(cap, 2 * self.capacity)
-            for c in (self.cache, self.hcache):
-                if c is not None:
-                    c.grow(cap)
-            self.capacity = cap
+            self._resize(cap)
+
+    def _resize(self, cap: int) -> None:
+        for c in (self.cache, self.hcache):
+            if c is not None:
+                c.resize(cap)
+        self.capacity = cap
+
+    def fit(self) -> None:
+        """Live mode: shrink the buffers once the busy rows need a quarter of them or less (a long
+        sequence left, or the run ended), to twice what they need, so that one long request does
+        not make every later cycle copy, widen and hold its cells. Fixed mode keeps its bucket:
+        captured cycles read these buffers in place."""
+        if self.fixed:
+            return
+        want = self._capacity(min(max((self.host_len[i] + 1 for i, s in enumerate(self.slots) if s is not None), default=0),
+                                  self.run.max_positions))
+        if self.capacity > 4 * want:
+            st = self.state
+            for i, s in enumerate(self.slots):
+                if s is None:  # an idle row still runs in every forward, at its own cells: from cell 0 it needs no room
+                    st.seq_len[i], st.head_len[i], st.n_new[i], self.host_len[i] = 0, 0, 1, 0
+            self._resize(2 * want)
 
     @torch.no_grad()
     def admit(self, b: int, ids: list[int], slot: Slot, pick, kept=None, reuse: int = 0) -> int:
@@ -309,7 +330,9 @@ class Cycle:
         dev, n, st = self.run.device, len(ids), self.state
         r = reuse if kept is not None else 0
         assert 0 <= r < n, (r, n)
-        self.ensure_capacity(n + slot.stop.remaining + 1)
+        # fixed mode reserves what the row can reach (one bucket while it runs, no capture
+        # mid-answer); live mode the prompt, and `step` grows the buffers as rows grow
+        self.ensure_capacity(n + (slot.stop.remaining if self.fixed else 0) + 1)
         x = torch.tensor(ids, dtype=torch.long, device=dev)
         pos = torch.arange(n, device=dev)
         c = self.cache
@@ -732,6 +755,8 @@ class Cycle:
         tokens it produced, draft tokens accepted), before stop handling."""
         t0 = time.perf_counter()
         b, dev, st = self.batch, self.run.device, self.state
+        if not self.fixed:  # room for the longest row and its tree (doubling, `ensure_capacity`)
+            self.ensure_capacity(max(self.host_len) + 1)
         if self.sources is not None:
             self.sources.last = []
         free, gate_bin, self.gate_s, free_size, free_rows = None, None, 0.0, 1, None

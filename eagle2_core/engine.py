@@ -129,17 +129,25 @@ class Engine:
         names = (["head"] if self.head is not None else []) + list(self.sources.active if self.sources is not None else ())
         return " + ".join(names) or "none"
 
-    def _cycle_for(self, capacity: int) -> Cycle:
+    def _rows_for(self, waiting: int) -> int:
+        """Rows a run needs for `waiting` requests: no more than the engine's batch, and in fixed
+        mode a power of two (one capture per batch bucket)."""
+        rows = min(self.batch, max(1, waiting))
+        return min(self.batch, bucket(rows, least=1)) if self.graph else rows
+
+    def _cycle_for(self, capacity: int, waiting: int) -> Cycle:
+        rows = self._rows_for(waiting)
         c = self.cycle
         if c is None:
-            c = self.cycle = Cycle(self.runner, self.head, self.tree, self.batch, capacity, fixed=self.graph, backend=self.compile,
+            c = self.cycle = Cycle(self.runner, self.head, self.tree, rows, capacity, fixed=self.graph, backend=self.compile,
                                    sources=self.sources)
-        elif c.batch < self.batch:
-            c.widen(self.batch)  # the same cycle, so its captured functions serve this run too
+        elif c.batch < rows:
+            c.widen(rows)  # the same cycle, so its captured functions serve this run too
+        c.reset()
+        c.fit()  # a run that ended early (an error, Ctrl-C) may have left long rows' buffers
         c.ensure_capacity(capacity)
         c.policy = TreePolicy(self.chooser) if self.chooser is not None else None
         c.one_product, c.record_confidence, c.counter = self.one_product, self.record_confidence, self.counter
-        c.reset()
         if self.chooser is not None:
             self.chooser.start_run(c.batch)
             c.head_tally = new_tally(c.head_tally)  # each run tries the head on its own text (a stop is re-tried: Backoff)
@@ -159,10 +167,13 @@ class Engine:
         run = self.runner
         if self.eos_ids is None:
             self.eos_ids = model_eos_ids(run.model, self.tokenizer)  # once: a tokenizer's vocabulary is slow to read
-        # what `admit` asks of the cache: the prompt, every new token and one more cell (else the
-        # first admit doubles every K/V buffer: 4 s of a 27 s prompt-file run at batch 32)
-        longest = max((len(r.ids) + r.gen.max_new_tokens + 1 for r in queue), default=64)
-        cycle = self._cycle_for(min(run.max_positions, longest))
+        # Fixed mode reserves what its first rows' `admit` asks (the prompt, every new token and one
+        # more cell), so the first admits do not each change the capture's bucket. Live mode grows
+        # as rows grow (Cycle.step, doubling): what a request may reach is not held for it before
+        # it is reached, and a queued request holds nothing.
+        first = list(queue)[: self.batch]
+        longest = max((len(r.ids) + (r.gen.max_new_tokens if self.graph else 0) + 1 for r in first), default=1)
+        cycle = self._cycle_for(min(run.max_positions, longest), len(queue))
         keeps: set[int] = set()  # id() of the slots whose request asked to be kept
         # id() of a request whose prompt is being prefilled in chunks -> [seconds so far, tokens its
         # first lookup restored, when it was first admitted, chunks run]
@@ -177,6 +188,7 @@ class Engine:
         def finish(b: int):
             keep(b)
             s = cycle.release(b)
+            cycle.fit()  # the longest sequence may have left: the cells it held go with it
             s.summary.finish(s.stop, time.perf_counter() - s.started)
             return s.key, s.summary, s.tokens
 
@@ -192,7 +204,7 @@ class Engine:
                     if not (queue or cycle.busy):
                         break
                     if queue and not cycle.free and cycle.batch < self.batch:
-                        self._widen(cycle)  # requests joined a run whose idle rows were dropped (a server's)
+                        self._widen(cycle, len(queue))  # requests joined a run whose idle rows were dropped (a server's)
                     deferred = []  # long prompts with a chunk prefilled this round: the rest after the next cycle
                     for b in cycle.free:
                         if not queue:
@@ -335,9 +347,11 @@ class Engine:
                 s.stop.reason = "cancelled"
                 yield finish(b)
 
-    def _widen(self, cycle: Cycle) -> None:
-        """Back to the engine's batch mid-run: `_compact` dropped idle rows, and new requests came."""
-        cycle.widen(self.batch)
+    def _widen(self, cycle: Cycle, waiting: int) -> None:
+        """Rows for `waiting` new requests mid-run, up to the engine's batch: `_compact` dropped
+        idle rows, or the run started with fewer requests. Only the rows they use: every row is a
+        row of every product and of every K/V buffer."""
+        cycle.widen(max(cycle.batch, self._rows_for(cycle.busy + waiting)))
         if self.chooser is not None:
             self.chooser.batch = cycle.batch
 

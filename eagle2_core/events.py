@@ -10,10 +10,21 @@ from typing import Any
 CONFIDENCE_BINS = 10  # path-probability bins of the calibration table (0-0.1, ..., 0.9-1)
 
 
+# A temperature below this decodes greedily, as 0 does: logits divided by it can overflow float32
+# (inf - inf in the softmax is NaN, and a draw from NaN scores picks the last id every time),
+# and at it a draw already takes the argmax unless another logit is within about 1e-5 of it.
+GREEDY_BELOW = 1e-6
+
+
+def samples(temperature: float) -> bool:
+    """Whether `temperature` samples (False: greedy, see GREEDY_BELOW)."""
+    return temperature >= GREEDY_BELOW
+
+
 @dataclass
 class GenerationSettings:
     max_new_tokens: int = 256
-    temperature: float = 0.0        # 0 = greedy
+    temperature: float = 0.0        # 0 (or below GREEDY_BELOW) = greedy
     top_p: float = 1.0
     top_k: int = 0                  # 0 = off
     min_p: float = 0.0              # 0 = off

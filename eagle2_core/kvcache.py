@@ -147,12 +147,14 @@ class KVCache(Cache):
             layer.keys[row, :, :length] = k[:, :length]
             layer.values[row, :, :length] = v[:, :length]
 
-    def grow(self, capacity: int) -> None:
-        def bigger(t):
+    def resize(self, capacity: int) -> None:
+        """`capacity` cells per row: the first cells kept (all of them, or as many as fit), new ones zero."""
+        def resized(t):
             new = t.new_zeros(t.shape[0], t.shape[1], capacity, t.shape[3])
-            new[:, :, : t.shape[2]] = t
+            keep = min(capacity, t.shape[2])
+            new[:, :, :keep] = t[:, :, :keep]
             return new
-        self._each(bigger)
+        self._each(resized)
         self.capacity = capacity
 
     def compact(self, rows: torch.Tensor) -> None:

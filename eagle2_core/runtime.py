@@ -193,7 +193,7 @@ class Runtime:
             # unchanged) and took 0.2-0.3 s of every start-up.
             gc.freeze()
         return cls(target, head, settings, gen, system_prompt, chat_template, arithmetic=arith,
-                   draft_name=("none" if head is None and need_head else draft or default_head_for(target.name) or ""), costs=costs,
+                   draft_name=("none" if head is None and (need_head or tree.get("total_tokens") == 1) else draft or default_head_for(target.name) or ""), costs=costs,
                    compile=backend, graph=graph, auto_tree=auto, constant_tree=constant_tree, notices=notices, sources=sources)
 
     @property
@@ -249,9 +249,9 @@ class Runtime:
               graph: bool | None = None, sources: tuple | None = None, gate: bool = True) -> Engine:
         """A decoder with this runtime's settings; `tree`, `compile`, `graph` and the draft `sources` override them.
         `gate` False: the head drafts every cycle beside the head-free sources (no budget.HeadGate)."""
-        if self.head is None and not self.sources:
-            raise LoadError("no draft head loaded")
         tree = tree or self.tree
+        if self.head is None and not self.sources and tree.total_tokens != 1:  # one node: plain decoding needs no draft
+            raise LoadError("no draft head loaded")
         if compile is None:
             backend = self.compile if supports_graph(tree) else None
         else:

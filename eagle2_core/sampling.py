@@ -26,6 +26,7 @@ from transformers.generation.logits_process import (
     SuppressTokensAtBeginLogitsProcessor, SuppressTokensLogitsProcessor, TemperatureLogitsWarper, TopHLogitsWarper,
     TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper)
 
+from .events import samples
 from .loading import LoadError
 from .tree import DraftTree
 
@@ -75,7 +76,7 @@ def generation_config_for(gen, model_config: GenerationConfig | None) -> Generat
         if on(value):
             raise UnsupportedGeneration(f"the model's generation_config sets {name}={value!r} ({why}), which eagle2 cannot "
                                         f"apply exactly; {OFF_FLAG} ignores the model's generation settings")
-    sample = gen.temperature > 0
+    sample = samples(gen.temperature)  # a temperature too small to divide by is greedy (events.GREEDY_BELOW)
     cfg.do_sample = sample
     cfg.temperature = float(gen.temperature) if sample else 1.0
     cfg.top_p, cfg.top_k = float(gen.top_p), int(gen.top_k)
@@ -290,7 +291,7 @@ def generation_description(gen, model_config=None) -> dict:
 # -- kept for callers that only sample with temperature / top-k / top-p ------------------------
 def make_warpers(gen) -> LogitsProcessorList | None:
     """None at temperature 0 (greedy); otherwise the warpers for gen's temperature/top-k/top-p."""
-    if gen.temperature <= 0:
+    if not samples(gen.temperature):
         return None
     procs = LogitsProcessorList()
     if gen.temperature != 1.0:

@@ -38,6 +38,10 @@ COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "s
                      "top_k", "min_p", "repetition_penalty"}
 
 
+class ClientGone(Exception):
+    """The client closed its connection before sending its whole request body."""
+
+
 class ApiError(Exception):
     """A request refused: HTTP `status` and an OpenAI-style error object naming `param`."""
 
@@ -112,6 +116,42 @@ def _fits(ids: list[int], max_positions: int, param: str) -> None:
         raise ApiError(f"the prompt is {len(ids)} tokens, the model's context is {max_positions}", param=param)
 
 
+def _longest_token(tokenizer) -> int | None:
+    """The most characters one token of `tokenizer` stands for (its longest vocabulary entry: a
+    byte-level entry has a character per byte, so never fewer than it decodes to); None when the
+    tokenizer lists no vocabulary. Read once per tokenizer."""
+    got = getattr(tokenizer, "_eagle2_longest_token", False)
+    if got is False:
+        try:
+            got = max((len(t) for t in tokenizer.get_vocab()), default=None)
+        except (AttributeError, NotImplementedError, TypeError):
+            got = None
+        try:
+            tokenizer._eagle2_longest_token = got
+        except AttributeError:
+            pass
+    return got
+
+
+def check_length(text: str, tokenizer, max_positions: int, param: str) -> None:
+    """Refuse text that cannot fit the context before it is tokenized whole: tokenizing costs
+    seconds per megabyte and holds every token. Past the longest token's length times the
+    context, no tokenization can fit it; past four characters a token, the tokens of a prefix cut
+    before a space (the same pre-tokens as the whole text's start, so no more tokens than the
+    whole gives) decide it."""
+    n = len(text)
+    longest = _longest_token(tokenizer)
+    if longest and n > longest * max_positions:
+        raise ApiError(f"{param}: {n} characters cannot fit the model's context of {max_positions} tokens", param=param)
+    probe = 4 * max_positions
+    if n > probe:
+        cut = text.rfind(" ", 0, probe)
+        if cut > 0:
+            k = len(tokenizer(text[:cut], add_special_tokens=False)["input_ids"])
+            if k >= max_positions:
+                raise ApiError(f"the prompt is over {k} tokens, the model's context is {max_positions}", param=param)
+
+
 def parse_chat(body, rt) -> Parsed:
     """A chat completion request, checked and encoded with the model's chat template."""
     if not isinstance(body, dict):
@@ -136,6 +176,7 @@ def parse_chat(body, rt) -> Parsed:
     except InputError as e:
         raise ApiError(f"{e.field}: {e.message}", param=e.field) from None
     gen = _settings(body, rt.gen)
+    check_length("\n".join(m["content"] for m in messages), rt.tokenizer, rt.max_positions, "messages")
     try:
         ids = rt.encode(messages)
     except InputError as e:
@@ -163,6 +204,7 @@ def parse_completion(body, rt) -> Parsed:
             check_text(prompt, "prompt")
         except InputError as e:
             raise ApiError(f"prompt: {e.message}", param="prompt") from None
+        check_length(prompt, rt.tokenizer, rt.max_positions, "prompt")
         ids = list(rt.tokenizer(prompt)["input_ids"])
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not all(0 <= t < vocab for t in prompt):
@@ -276,24 +318,85 @@ def metrics_text(worker: EngineWorker, prefix_cache) -> str:
     return "\n".join(lines) + "\n"
 
 
+def read_json(raw: bytes):
+    """A request body as JSON, or ApiError (400) saying in one line why not."""
+    try:
+        return json.loads(raw)
+    except RecursionError:  # arrays or objects nested past the parser's recursion limit
+        raise ApiError("the body nests JSON arrays or objects too deeply") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError("the body is not JSON") from None
+    except ValueError as e:  # an integer past Python's digit limit for int() (4300 by default)
+        raise ApiError(f"the body holds a number too long to read ({str(e).split(':')[0]})") from None
+
+
+def head_timeout_protocol(seconds: float):
+    """uvicorn's HTTP protocol class, with a watchdog that closes a connection whose request head
+    is not complete `seconds` after its first byte (or after it opened). uvicorn's own keep-alive
+    timer starts only after a response, so a client that sends part of a head, or nothing, would
+    hold its connection and socket for good."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class HeadTimeout(AutoHTTPProtocol):
+        _head_timer = None
+        _head_cycle = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data):
+            # a new request begins once the last one is answered: its head gets the same time
+            if self._head_timer is None and (self.cycle is None or self.cycle.response_complete):
+                self._arm()
+            super().data_received(data)
+
+        def connection_lost(self, exc):
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            super().connection_lost(exc)
+
+        def _arm(self):
+            self._head_cycle = self.cycle  # a completed head replaces it (uvicorn starts a new cycle)
+            self._head_timer = self.loop.call_later(seconds, self._expire)
+
+        def _expire(self):
+            self._head_timer = None
+            if self.cycle is self._head_cycle and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeadTimeout
+
+
 def create_app(rt, engine, *, model_name: str, api_key: str | None = None, cors: bool = False, max_queue: int = 64,
-               stale_after: float = 120.0):
+               stale_after: float = 120.0, max_body_mb: float = 16.0):
     """(the Starlette app, its EngineWorker). The worker starts with the app and stops with it.
     `stale_after`: /health answers 503 when the engine thread has shown no sign of life (a
-    finished cycle, or an idle wake-up) for this long."""
+    finished cycle, or an idle wake-up) for this long. `max_body_mb`: larger request bodies are
+    refused (413) before they are read whole. Setting `app.state.stopping` (an asyncio.Event)
+    ends every request still running: a stream with an error event and [DONE], a waiting
+    request with 503 (the server's grace period is over)."""
+    import logging
+
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.middleware import Middleware
     from starlette.middleware.cors import CORSMiddleware
+    from starlette.requests import ClientDisconnect
     from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.routing import Route
 
     worker = EngineWorker(engine, max_queue=max_queue)
     created = int(time.time())
     fingerprint = f"eagle2-{getattr(rt, 'arithmetic', 'exact')}"  # the products' arithmetic: int8 answers differ from exact ones
+    max_body = int(max_body_mb * 1024 * 1024)
+    stopping = asyncio.Event()
+    log = logging.getLogger("uvicorn.error")
+    stopped_message = "the server stopped before the answer's end (its shutdown grace period ran out)"
 
-    def error(e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+    def error(e: ApiError, headers: dict | None = None) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     def authorised(request) -> bool:
         if api_key is None:
@@ -301,12 +404,28 @@ def create_app(rt, engine, *, model_name: str, api_key: str | None = None, cors:
         got = request.headers.get("authorization", "")
         return secrets.compare_digest(got.encode(), f"Bearer {api_key}".encode())
 
+    def too_large(size: str) -> ApiError:
+        return ApiError(f"the body is {size}, over the server's limit of {max_body} bytes (--max-body-mb)", status=413)
+
     async def read_body(request):
-        raw = await request.body()
+        """The body as JSON, counted as it arrives: a declared or streamed size past the limit is
+        refused before the rest is read (and the connection closed, as the rest is not read)."""
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.strip().isdigit():
+                raise ApiError("the Content-Length header is not a number")
+            if int(declared) > max_body:
+                raise too_large(f"{int(declared)} bytes")
+        chunks, size = [], 0
         try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError("the body is not JSON") from None
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_body:
+                    raise too_large(f"over {max_body} bytes")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ClientGone(f"{size} of {declared or 'an unknown number of'} bytes") from None
+        return read_json(b"".join(chunks))
 
     async def wait_disconnect(request) -> None:
         while True:
@@ -333,8 +452,13 @@ def create_app(rt, engine, *, model_name: str, api_key: str | None = None, cors:
         try:
             body = await read_body(request)
             parsed = await run_in_threadpool(parse, body, rt)
+        except ClientGone as e:
+            log.warning("a client left before sending its whole request (%s received); nothing was answered", e)
+            return PlainTextResponse("", status_code=400)
+        except RecursionError:  # a structure nested deep enough for a check's own recursion
+            return error(ApiError("the body nests JSON arrays or objects too deeply"))
         except ApiError as e:
-            return error(e)
+            return error(e, {"Connection": "close"} if e.status == 413 else None)
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
         job = Job(parsed.ids, parsed.gen, lambda k, p: loop.call_soon_threadsafe(inbox.put_nowait, (k, p)),
@@ -342,12 +466,22 @@ def create_app(rt, engine, *, model_name: str, api_key: str | None = None, cors:
         try:
             key = worker.submit(job)
         except QueueFull as e:
-            return error(ApiError(f"the server is busy: {e}; retry later", status=429, kind="rate_limit_error"))
+            return error(ApiError(f"the server is busy: {e}; retry later", status=429, kind="rate_limit_error"), {"Retry-After": "1"})
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
         text = TextStream(rt.tokenizer, parsed.gen.stop_strings)
 
         async def next_event():
-            return await inbox.get()
+            """The job's next event; ("stopped", None) once the server's grace period is over."""
+            if stopping.is_set():
+                return "stopped", None
+            get, stop = asyncio.ensure_future(inbox.get()), asyncio.ensure_future(stopping.wait())
+            try:
+                await asyncio.wait({get, stop}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop.cancel()
+                if not get.done():
+                    get.cancel()
+            return get.result() if get.done() and not get.cancelled() else ("stopped", None)
 
         if parsed.stream:
             async def events():
@@ -374,9 +508,15 @@ def create_app(rt, engine, *, model_name: str, api_key: str | None = None, cors:
                                            "usage": usage(summary, len(parsed.ids))})
                             yield "data: [DONE]\n\n"
                             return
-                        else:  # the engine failed: in-band, as the status is already 200
+                        else:  # the engine failed, or the server stops: in-band, as the status is already 200
+                            if k == "stopped":
+                                worker.cancel(key)
+                                rest = text.finish()  # what was held back (a possible stop string's start) is the answer's
+                                if rest:
+                                    yield sse(chunk(rid, kind, rest, None))
                             finished = True
-                            yield sse({"error": {"message": payload, "type": "server_error", "param": None, "code": None}})
+                            message = stopped_message if k == "stopped" else payload
+                            yield sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
                             yield "data: [DONE]\n\n"
                             return
                 finally:
@@ -394,6 +534,9 @@ def create_app(rt, engine, *, model_name: str, api_key: str | None = None, cors:
                         worker.cancel(key)
                 elif k == "done":
                     return payload
+                elif k == "stopped":
+                    worker.cancel(key)
+                    raise ApiError(stopped_message, status=503, kind="server_error")
                 else:
                     raise ApiError(payload, status=500, kind="server_error")
 
@@ -436,12 +579,13 @@ def create_app(rt, engine, *, model_name: str, api_key: str | None = None, cors:
         return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "eagle2"}]})
 
     async def health(request):
-        if not authorised(request):
-            return error(ApiError("invalid API key", status=401, kind="authentication_error"))
+        # open to liveness probes, which send no key; the figures only with it
         age = worker.heartbeat_age()
         alive = worker.thread.is_alive() and age < stale_after
-        body = {"status": "ok" if alive else "unhealthy", "engine_heartbeat_age_s": round(age, 3), "running": worker.running,
-                "waiting": worker.waiting, "cycles": engine.stats["cycles"]}
+        body = {"status": "ok" if alive else "unhealthy"}
+        if authorised(request):
+            body.update({"engine_heartbeat_age_s": round(age, 3), "running": worker.running, "waiting": worker.waiting,
+                         "cycles": engine.stats["cycles"]})
         return JSONResponse(body, status_code=200 if alive else 503)
 
     async def metrics(request):
@@ -471,4 +615,5 @@ def create_app(rt, engine, *, model_name: str, api_key: str | None = None, cors:
             await run_in_threadpool(worker.close)
 
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers={404: not_found, 405: bad_method})
+    app.state.stopping = stopping
     return app, worker

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from .events import GenerationSettings, Summary
+from .events import GenerationSettings, Summary, samples
 from .prompts import PromptItem
 
 PLAIN = "plain"  # methods.PLAIN: eagle2's own plain decoding, the reference for speculation alone
@@ -96,7 +96,7 @@ class Comparison:
 
     @property
     def greedy(self) -> bool:
-        return self.gen.temperature <= 0 and all(it.overrides.get("temperature", 0) <= 0 for it in self.items)
+        return not samples(self.gen.temperature) and not any(samples(it.overrides.get("temperature", 0)) for it in self.items)
 
     def speedup(self, name: str) -> float | None:
         """Total tokens / total time of `name` over the baseline's."""

@@ -155,3 +155,28 @@ def test_very_long_prompt_line_parses(tmp_path):
     p.write_text(json.dumps({"id": "big", "prompt": "word " * 400_000}) + "\n")
     (item,) = list(read_prompt_file(str(p)))
     assert item.id == "big" and len(item.messages[0]["content"]) == 2_000_000
+
+
+@pytest.mark.parametrize("command", ["chat", "generate", "compare", "serve"])
+@pytest.mark.parametrize("extra,says", [(["--draft", "none"], "--draft"), (["--draft-sources", "match"], "--draft-sources"),
+                                        (["--total-tokens", "4"], "--total-tokens 4")])
+def test_no_speculation_beside_a_drafting_option_is_a_usage_error(command, extra, says):
+    need = ["-f", os.devnull] if command == "generate" else []
+    line = one_line(CliRunner().invoke(cli, [command, *need, "--no-speculation", *extra]))
+    assert "--no-speculation" in line and says in line
+
+
+def test_no_speculation_decodes_plain_with_nothing_drafting(tmp_path, tiny_model_dir):
+    """The tiny model has no known head, so without the flag the head-free sources draft; with it,
+    nothing does, and the answer is --total-tokens 1's."""
+    inp = tmp_path / "p.jsonl"
+    inp.write_text('{"prompt": "Hello"}\n{"prompt": "1 2 3"}\n')
+    outs, errs = [], []
+    for flags in (["--no-speculation"], ["--total-tokens", "1"]):
+        r = CliRunner().invoke(cli, ["generate", "-f", str(inp), "-o", "-", "-b", "2", "-n", "6", "--model", tiny_model_dir,
+                                     "--device", "cpu", "--dtype", "float32", *flags])
+        assert r.exit_code == 0, r.output
+        outs.append([json.loads(x)["text"] for x in r.stdout.splitlines() if x.startswith("{")])
+        errs.append(r.stderr)
+    assert outs[0] == outs[1] and len(outs[0]) == 2
+    assert "plain decoding" in errs[0] and "head-free sources" not in errs[0] and "head-free sources" in errs[1]

@@ -440,7 +440,7 @@ def test_kv_cache_rows_commit_grow_and_compact():
         want[r, dst[r]] = val[r, src[r]]
     c.commit(src, dst)
     assert torch.equal(lay.keys[:, 0, :, 0], want) and torch.equal(lay.values[:, 1, :, 1], -want)
-    c.grow(20)                                                           # contents kept, zeros after
+    c.resize(20)                                                         # contents kept, zeros after
     assert c.capacity == 20 and lay.keys.shape[2] == 20 and not unused.is_initialized
     assert torch.equal(lay.keys[:, 0, :8, 0], want) and not lay.keys[:, :, 8:].any()
     c.compact(torch.tensor([2, 0]))                                      # rows 2 and 0, in that order
@@ -449,6 +449,8 @@ def test_kv_cache_rows_commit_grow_and_compact():
     keys, _ = lay.update(torch.ones(2, 2, 1, 3), torch.ones(2, 2, 1, 3))
     assert keys.shape == (2, 2, 10, 3) and keys[0, 0, 8, 0] == 1 and keys[1, 0, 9, 0] == 1 and keys[0, 0, 9, 0] == 0
     assert (bucket(1), bucket(64), bucket(65), bucket(3, least=1), bucket(1, least=1)) == (64, 64, 128, 4, 1)
+    c.resize(6)                                                          # shrunk: the first cells kept
+    assert c.capacity == 6 and lay.keys.shape[2] == 6 and torch.equal(lay.keys[:, 0, :6, 0], want[[2, 0], :6])
 
 
 def test_kv_cache_one_row_commit_moves_only_cells_out_of_place():
@@ -629,21 +631,51 @@ def test_head_free_drafting_that_does_not_pay_goes_plain_and_stays_lossless(llam
 
 
 @pytest.mark.parametrize("mode", ["live", "plain"])
-def test_a_run_sizes_its_cache_once(tiny_lm, fitted_head, monkeypatch, mode):
-    """A run's cache is made at the size its longest request needs, so no admit grows it: growing
-    copies every K/V buffer into a new one twice the size (seconds for a prompt file at batch 32)."""
-    from eagle2_core.engine import KVCache
-
+def test_a_run_grows_its_cache_geometrically_and_gives_it_back(tiny_lm, fitted_head, monkeypatch, mode):
+    """Live mode holds what the running rows reach, not what they may reach: the cache grows as
+    rows grow, at least doubling each time (growing by each cycle's tokens would copy every K/V
+    buffer every cycle), and shrinks once the long rows have left, here at the run's end."""
     e = make_env("llama", tiny_lm, fitted_head)
-    grown = []
-    real = KVCache.grow
-    monkeypatch.setattr(KVCache, "grow", lambda self, cap: grown.append(cap) or real(self, cap))
+    sizes = []
+    real = KVCache.resize
+    monkeypatch.setattr(KVCache, "resize", lambda self, cap: sizes.append((self.capacity, cap)) or real(self, cap))
     engine = make_engine(e["model"], e["head"], mode, 3)
-    cases = [dict(c, n=min(c["n"], 4)) for c in e["cases"] if len(c["ids"]) + 4 + 1 < MAXPOS // 2][:5]  # far from the context limit
-    assert len(cases) >= 3
-    out = run_all(engine, requests(cases))
-    assert all(out[i][0] == c["ref"][: len(out[i][0])] and len(out[i][0]) > 0 for i, c in enumerate(cases))
-    assert grown == []
+    cases = [c for c in e["cases"] if len(c["ids"]) < 8][:3]
+    reqs = [Request(i, c["ids"], GenerationSettings(max_new_tokens=10**9, eos_token_ids=())) for i, c in enumerate(cases)]
+    out = run_all(engine, reqs)
+    assert all(len(ids) + len(out[i][0]) == MAXPOS for i, (ids) in enumerate(c["ids"] for c in cases))  # to the context's end
+    grew = [(a, b) for a, b in sizes if b > a]
+    assert grew and all(b >= 2 * a or b == engine.cycle._capacity(MAXPOS) for a, b in grew)
+    assert engine.cycle.capacity < grew[-1][1] and engine.cycle.cache.layers[0].keys.shape[2] == engine.cycle.capacity
+
+
+def test_queued_and_cancelled_requests_hold_no_cache_and_a_joining_request_widens_one_row(tiny_lm, fitted_head, monkeypatch):
+    """A request waiting for a row (here one that may run to the context's end, then cancelled)
+    reserves no cells; a request joining a one-row run gets one more row, not the engine's batch."""
+    e = make_env("llama", tiny_lm, fitted_head)
+    shapes = []
+    real_step = Cycle.step
+    monkeypatch.setattr(Cycle, "step", lambda self: shapes.append((self.batch, self.capacity)) or real_step(self))
+    short = [c for c in e["cases"] if len(c["ids"]) < 8][:2]
+    engine = make_engine(e["model"], e["head"], "live", 2)
+    gen = GenerationSettings(max_new_tokens=4, eos_token_ids=())
+    queue = collections.deque([Request(0, short[0]["ids"], gen), Request(1, short[1]["ids"], gen),
+                               Request(2, short[0]["ids"], GenerationSettings(max_new_tokens=10**9, eos_token_ids=()))])
+    ends = {key: ev.finish_reason for key, ev, tokens in engine.serve(queue, lambda q: {2} if shapes else set()) if tokens is not None}
+    assert ends == {0: "length", 1: "length", 2: "cancelled"}
+    assert max(cap for _, cap in shapes) < engine.cycle._capacity(MAXPOS)
+    wide = make_engine(e["model"], e["head"], "live", 4)
+    shapes.clear()
+    queue = collections.deque([Request(0, short[0]["ids"], GenerationSettings(max_new_tokens=20, eos_token_ids=()))])
+    joined = []
+
+    def poll(q):
+        if shapes and not joined:
+            joined.append(q.append(Request(1, short[1]["ids"], gen)))
+        return set()
+
+    assert len([1 for _, _, tokens in wide.serve(queue, poll) if tokens is not None]) == 2
+    assert max(b for b, _ in shapes) == 2
 
 
 @pytest.mark.parametrize("name", ["llama", "eagle3"])

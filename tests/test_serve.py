@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -71,7 +72,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tiny_head_dir):
-    s = Server(tiny_model_dir, tiny_head_dir, "--batch-size", "3")
+    s = Server(tiny_model_dir, tiny_head_dir, "--batch-size", "3", "--max-body-mb", "1", "--header-timeout", "2")
     yield s
     s.stop()
 
@@ -210,6 +211,56 @@ def test_a_body_that_is_not_json_and_an_unknown_route(server):
     assert status == 404 and "error" in json.loads(body)
 
 
+def raw_exchange(server, data: bytes, wait: float = 60) -> bytes:
+    """Send `data` on a fresh connection and read until the server closes it (socket.timeout
+    past `wait` seconds: the server never did)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=wait) as s:
+        s.sendall(data)
+        out = b""
+        while True:
+            got = s.recv(65536)
+            if not got:
+                return out
+            out += got
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 52428800\r\n\r\n")
+    reply = raw_exchange(server, head + b'{"messages": ')  # 50 MB announced, a few bytes sent
+    status, _, body = reply.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 413") and "--max-body-mb" in json.loads(body)["error"]["message"]
+
+
+@pytest.mark.parametrize("raw,says", [(b"[" * 100000 + b"]" * 100000, "too deeply"),
+                                      (b'{"messages": [], "max_tokens": 1' + b"1" * 5000 + b"}", "number too long")])
+def test_deep_nesting_and_a_huge_integer_are_a_400_error_object(server, raw, says):
+    status, body = server.raw("/v1/chat/completions", raw)
+    err = json.loads(body)["error"]
+    assert status == 400 and says in err["message"] and "\n" not in err["message"] and err["type"] == "invalid_request_error"
+    assert server.client().chat.completions.create(model="any", messages=MESSAGES[0], max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy(server, reference):
+    r = server.client().chat.completions.create(model="any", messages=MESSAGES[0], temperature=1e-38)
+    assert r.choices[0].message.content == reference(MESSAGES[0])
+
+
+def test_a_client_that_leaves_mid_body_is_one_log_line(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b'{"prompt": "')
+    deadline = time.time() + 30
+    while not any("left before sending" in line for line in server.lines) and time.time() < deadline:
+        time.sleep(0.1)
+    assert sum("left before sending" in line for line in server.lines) == 1
+    assert not any("Traceback" in line for line in server.lines)
+
+
+def test_a_connection_without_a_whole_request_head_is_closed(server):
+    assert raw_exchange(server, b"POST /v1/completions HTTP/1.1\r\nHost:") == b""  # closed, nothing answered
+    assert server.raw("/health")[0] == 200
+
+
 def test_key_queue_and_sigterm(tiny_model_dir, tiny_head_dir):
     """One row, no queue: a second request while a stream runs is answered 429; a wrong key 401.
     SIGTERM mid-stream: the stream runs to its end, then the server exits 0."""
@@ -217,12 +268,18 @@ def test_key_queue_and_sigterm(tiny_model_dir, tiny_head_dir):
     try:
         with pytest.raises(openai.AuthenticationError):
             s.client("wrong").chat.completions.create(model="any", messages=MESSAGES[0])
+        # /health is open to probes, its figures only with the key; the API and /metrics are not
+        assert s.raw("/health") == (200, '{"status":"ok"}')
+        status, body = s.raw("/health", headers={"Authorization": "Bearer sk-test"})
+        assert status == 200 and json.loads(body)["running"] == 0
+        assert s.raw("/metrics")[0] == 401 and s.raw("/v1/models")[0] == 401
         c = s.client("sk-test")
         stream = c.chat.completions.create(model="any", messages=MESSAGES[0], temperature=0, stream=True, max_tokens=120)
         it = iter(stream)
         first = next(it)
-        with pytest.raises(openai.RateLimitError):
+        with pytest.raises(openai.RateLimitError) as busy:
             c.chat.completions.create(model="any", messages=MESSAGES[1], max_tokens=2)
+        assert int(busy.value.response.headers["retry-after"]) >= 1
         s.proc.send_signal(signal.SIGTERM)
         rest = list(it)
         text = "".join(ch.choices[0].delta.content or "" for ch in [first] + rest if ch.choices)
@@ -241,9 +298,10 @@ def test_sigterm_past_the_grace_period_cancels_and_exits_0(tiny_model_dir, tiny_
         it = iter(stream)
         next(it)
         s.proc.send_signal(signal.SIGTERM)
-        with pytest.raises(openai.APIConnectionError):  # cut: the server stopped before the answer's end
+        with pytest.raises(openai.APIError) as cut:  # cut: the stream's last event says so, then [DONE]
             for _ in it:
                 pass
+        assert not isinstance(cut.value, openai.APIConnectionError) and "grace period" in cut.value.message
         assert s.proc.wait(60) == 0
         s.reader.join(10)  # every line the server wrote
         assert any("1 cancelled" in line for line in s.lines) and not any("Traceback" in line for line in s.lines)
@@ -275,6 +333,37 @@ def test_text_stream_cuts_at_a_stop_string_inside_a_chunk_and_holds_back_a_parti
     assert t.finish() == "" and t.text == "a Ex" and not t.stopped
     t = TextStream(_Tok(), ())
     assert t.push(ids("abc")) == "abc" and t.finish() == ""
+
+
+class _CountingTok(_Tok):
+    """Ids are characters; records the length of every text it is asked to tokenize."""
+
+    def __init__(self, longest: int):
+        self.longest, self.calls = longest, []
+
+    def get_vocab(self):
+        return {"x" * self.longest: 0, "y": 1}
+
+    def __call__(self, text, add_special_tokens=True):
+        self.calls.append(len(text))
+        return {"input_ids": [ord(c) for c in text]}
+
+
+@pytest.mark.parametrize("longest,text,tokenized", [(2, "x" * 1000, 0),   # 1000 characters, at most 2 a token: over 100
+                                                    (10, "ab " * 300, 400)])  # could fit: a prefix's tokens decide
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized_whole(longest, text, tokenized):
+    from types import SimpleNamespace
+
+    from eagle2_core.events import GenerationSettings
+    from eagle2_core.server import ApiError, parse_completion
+
+    tok = _CountingTok(longest)
+    model = SimpleNamespace(get_input_embeddings=lambda: SimpleNamespace(weight=SimpleNamespace(shape=(1000, 4))))
+    rt = SimpleNamespace(tokenizer=tok, gen=GenerationSettings(), max_positions=100, model=model)
+    with pytest.raises(ApiError) as e:
+        parse_completion({"prompt": text}, rt)
+    assert e.value.param == "prompt" and "100" in e.value.message
+    assert sum(tok.calls) <= tokenized < len(text)
 
 
 def test_a_model_without_a_chat_template_refuses_chat_in_one_line():
