@@ -296,3 +296,28 @@ def test_serve_response_format_round_trip(setup):
         assert status == 400 and body["error"]["param"] == "response_format" and "\n" not in body["error"]["message"], body
     finally:
         worker.close()
+
+
+def test_cli_constraint_flags(tmp_path):
+    import click
+
+    from eagle2_cli.options import UserInputError, load_constraint
+
+    good = tmp_path / "s.json"
+    good.write_text(json.dumps({"name": "pet", "schema": SCHEMA}))  # OpenAI's wrapper is read too
+    c = load_constraint(str(good), None, None)
+    assert c.kind == "json_schema" and c.name == "pet"
+    gbnf = tmp_path / "g.gbnf"
+    gbnf.write_text('root ::= "yes" | "no"\n')
+    assert load_constraint(None, None, str(gbnf)).name == "gbnf"
+    assert load_constraint(None, None, None) is None
+    bad = tmp_path / "bad.json"
+    for text in ['{"type": "objekt"}', "{not json"]:
+        bad.write_text(text)
+        with pytest.raises(UserInputError) as e:
+            load_constraint(str(bad), None, None)
+        assert "\n" not in e.value.message and e.value.message.startswith(str(bad) if "not" in text else "--json-schema")
+    with pytest.raises(UserInputError):
+        load_constraint(None, "[a-", None)
+    with pytest.raises(click.UsageError):
+        load_constraint(str(good), "a", None)
