@@ -165,8 +165,8 @@ _LOCK = threading.Lock()
 
 def ll_tokenizer(tokenizer, vocab_size: int):
     """llguidance's tokenizer for a fast HF tokenizer, over `vocab_size` ids (the lm_head's rows,
-    which may exceed the tokenizer's: those extra ids are never allowed). About 0.3 s to build,
-    so it is cached for the process."""
+    which may exceed the tokenizer's: those extra ids are never allowed). Building it reads the
+    whole vocabulary, so it is cached for the process."""
     n = max(int(vocab_size), len(tokenizer))
     key = (id(tokenizer), n)
     with _LOCK:
