@@ -118,7 +118,9 @@ def main() -> int:
             r2 = client.chat.completions.create(model="default", messages=messages, tools=[WEATHER], tool_choice="none",
                                                 max_tokens=64, temperature=0)
             final = r2.choices[0]
-            print(f"\n[after the tool's answer] {time.time() - t:.2f} s, finish_reason={final.finish_reason}\n  {final.message.content!r}")
+            cached = r2.usage.prompt_tokens_details.cached_tokens if r2.usage.prompt_tokens_details else None
+            print(f"\n[after the tool's answer] {time.time() - t:.2f} s, finish_reason={final.finish_reason}, "
+                  f"{cached} of {r2.usage.prompt_tokens} prompt tokens restored from the kept prefix\n  {final.message.content!r}")
             check(bool(final.message.content) and not final.message.tool_calls, "round trip: a final text answer")
 
         # 2. the same call, streamed

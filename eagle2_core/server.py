@@ -106,8 +106,7 @@ def _settings(body: dict, default: GenerationSettings) -> GenerationSettings:
 def _constrained(body: dict, gen: GenerationSettings, rt, tools=None) -> GenerationSettings:
     """`gen` with the request's `response_format` (structured.py): OpenAI's json_schema and
     json_object, and the extensions regex and grammar; a 400 naming the field for one that
-    does not compile. Or with the grammar of its `tools` (a tools.ToolPlan) where the answer may
-    be a call. The grammar is checked against the tokenizer here, in the request's thread, so
+    does not compile. Or with the grammar of its `tools` (a tools.ToolPlan). The grammar is checked against the tokenizer here, in the request's thread, so
     the engine thread never meets a grammar it cannot run."""
     from .structured import ConstraintError, from_response_format, ll_tokenizer
 
@@ -115,9 +114,8 @@ def _constrained(body: dict, gen: GenerationSettings, rt, tools=None) -> Generat
     try:
         c = from_response_format(body["response_format"]) if body.get("response_format") is not None else None
         if tools is not None and tools.constraint is not None:
-            if c is not None:  # one grammar per answer: a call's, or the response_format's
-                raise ApiError("response_format applies to text answers: with tools, give tool_choice none or leave response_format out",
-                               param="response_format")
+            if c is not None:  # one grammar per answer: the tools', or the response_format's
+                raise ApiError("response_format cannot apply beside tools: leave one of them out", param="response_format")
             c, param = tools.constraint, "tools"
         if c is not None:
             ll_tokenizer(rt.tokenizer, rt.model.get_output_embeddings().weight.shape[0])  # built once per process
@@ -202,7 +200,7 @@ def parse_chat(body, rt) -> Parsed:
     except InputError as e:
         raise ApiError(f"{e.field}: {e.message}", param=e.field) from None
     gen = _constrained(body, _settings(body, rt.gen), rt, tools)
-    shown = list(tools.shown) if tools is not None else []
+    shown = list(tools.specs) if tools is not None else []
     check_length("\n".join([m["content"] for m in messages] + [json.dumps(shown)]), rt.tokenizer, rt.max_positions, "messages")
     try:
         ids = rt.encode(messages, tools=shown) if shown else rt.encode(messages)

@@ -6,14 +6,17 @@ inside either tag, as Qwen's and Hermes' templates write it). `tool_choice` pick
 which runs as a structured.py constraint (one more logits processor, so speculation keeps
 exactly the text of plain constrained decoding):
 
-- `none`: the tools are not shown and nothing constrains the answer;
+- `none`: free text that does not start like a call (the tools are shown all the same, so a
+  conversation's prompt is the same whatever each turn's tool_choice, and its kept prefix serves);
 - `auto`: free text, or one call and nothing after it (text that starts like a call must be one);
 - `required`: one call of any of the tools; a named function: one call of that function.
 
 A chat template that renders tools, and assistant turns' calls and tool results (probed once per
 template, `renders_tools`), gets them as transformers passes them. Any other template gets plain
 messages: the tools as a system block (`tool_block`), each earlier call as the assistant's text in
-the call format, and tool results as a user turn of `<tool_response>` blocks.
+the call format, and tool results as `tool` turns where the template shows that role (SmolLM2's
+answers from such a turn, where it echoes a user turn's tags), else as a user turn of
+`<tool_response>` blocks.
 """
 from __future__ import annotations
 
@@ -43,16 +46,11 @@ class ToolError(ValueError):
 class ToolPlan:
     """What a request asks of its tools: `specs` (each `{"type": "function", "function": {name,
     description, parameters}}`, as the prompt shows them), `choice` (none, auto, required, or
-    function for a named one, `name`), and `constraint` (structured.Constraint; None for none)."""
+    function for a named one, `name`), and `constraint` (structured.Constraint)."""
     specs: tuple
     choice: str
     name: str | None = None
     constraint: object = None
-
-    @property
-    def shown(self) -> tuple:
-        """The tools the prompt shows: none with tool_choice none."""
-        return () if self.choice == "none" else self.specs
 
     @property
     def calls(self) -> bool:
@@ -115,7 +113,7 @@ def parse_tools(tools, tool_choice) -> ToolPlan | None:
             return None
         raise ToolError(f"tool_choice {json.dumps(tool_choice)[:60]} needs tools", "tool_choice")
     plan = ToolPlan(tuple(specs), choice, chosen)
-    return plan if choice == "none" else ToolPlan(plan.specs, choice, chosen, call_constraint(plan))
+    return ToolPlan(plan.specs, choice, chosen, call_constraint(plan))
 
 
 def _choice(tool_choice, names: dict) -> tuple[str, str | None]:
@@ -136,8 +134,8 @@ def _choice(tool_choice, names: dict) -> tuple[str, str | None]:
 
 def call_constraint(plan: ToolPlan):
     """The structured.Constraint of a plan's answer: a Lark grammar whose call is a JSON object
-    `{"name": <one of the names>, "arguments": <its parameters>}` (name first), alone or, for
-    auto, beside free text that does not start like a call."""
+    `{"name": <one of the names>, "arguments": <its parameters>}` (name first), alone, or for
+    auto beside free text that does not start like a call; for none, that text alone."""
     from .structured import grammar
 
     params = {s["function"]["name"]: s["function"]["parameters"] for s in plan.specs}
@@ -146,7 +144,7 @@ def call_constraint(plan: ToolPlan):
     schema = dict(objects[0]) if len(objects) == 1 else {"anyOf": objects}
     schema["x-guidance"] = JSON_STYLE
     lark = "\n".join([
-        "start: " + ("call | TEXT" if plan.choice == "auto" else "call"),
+        "start: " + {"auto": "call | TEXT", "none": "TEXT"}.get(plan.choice, "call"),
         f'call: "{CALL_OPEN}" /\\n?/ obj /\\n?/ "{CALL_CLOSE}"',
         "obj: %json " + json.dumps(schema),
         # any text, less what starts (after blanks) like a call: a call is the other branch, whole
@@ -196,7 +194,7 @@ class CallStream:
     def release(self, rest: str) -> str:
         """Everything held, and `rest`: the answer's text as far as it went (a stream cut short)."""
         held, self.held = self.held, ""
-        return held + rest if not self.free else rest
+        return held + rest
 
     def finish(self, rest: str) -> tuple[str, dict | None]:
         """(text still to send, the call or None) at the answer's end, `rest` its last text."""
@@ -216,7 +214,7 @@ def tool_block(specs) -> str:
             f"<tools>\n{lines}\n</tools>\n\n"
             "To call one, answer with the call alone, in this form:\n"
             f'{CALL_OPEN}{{"name": <the function\'s name>, "arguments": <its arguments as a JSON object>}}{CALL_CLOSE}\n'
-            f"Its result comes back in the next user turn, as {RESULT_OPEN}...{RESULT_CLOSE}.")
+            "Its result comes back in the next turn.")
 
 
 def call_text(call: dict) -> str:
@@ -231,12 +229,13 @@ def has_tool_turns(messages) -> bool:
     return any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
 
 
-def plain_messages(messages: list[dict], specs) -> list[dict]:
+def plain_messages(messages: list[dict], specs, tool_role: bool = True) -> list[dict]:
     """`messages` as role and content only: `specs` in a system block (after any system text),
-    calls as assistant text, consecutive tool results as one user turn."""
+    calls as assistant text, tool results as they are (`tool_role`) or consecutive ones as one
+    user turn."""
     out: list[dict] = []
     for m in messages:
-        if m["role"] == "tool":
+        if m["role"] == "tool" and not tool_role:
             result = f"{RESULT_OPEN}\n{m['content']}\n{RESULT_CLOSE}"
             if out and out[-1].get("_results"):
                 out[-1]["content"] += "\n" + result
@@ -274,30 +273,44 @@ def _args(args):
 
 
 _PROBE_TOOL, _PROBE_CALL, _PROBE_RESULT = "eagle2_probe_tool_7c1", "eagle2_probe_call_7c1", "eagle2_probe_result_7c1"
-_RENDERS: dict = {}
-_RENDERS_LOCK = threading.Lock()
+_PROBES: dict = {}
+_PROBES_LOCK = threading.Lock()
+
+
+def _shows(tokenizer, template: str, messages: list[dict], tools, names: tuple[str, ...]) -> bool:
+    """Whether `template` renders `messages` (and `tools`) with every one of `names` in the text;
+    read once per template and probe."""
+    key = (template, names)
+    with _PROBES_LOCK:
+        if key in _PROBES:
+            return _PROBES[key]
+    try:
+        text = tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False,
+                                             **({"tools": tools} if tools else {}))
+        ok = all(s in text for s in names)
+    except Exception:  # noqa: BLE001  (a template may raise anything on roles or fields it does not know)
+        ok = False
+    with _PROBES_LOCK:
+        _PROBES[key] = ok
+    return ok
 
 
 def renders_tools(tokenizer, template: str) -> bool:
     """Whether `template` shows a tool, an assistant's call and a tool's result (each probed by a
-    name of its own in the rendered text); read once per template."""
-    with _RENDERS_LOCK:
-        if template in _RENDERS:
-            return _RENDERS[template]
+    name of its own in the rendered text)."""
     probe = [{"role": "user", "content": "hi"},
              {"role": "assistant", "content": "", "tool_calls": [
                  {"id": "call_probe", "type": "function", "function": {"name": _PROBE_CALL, "arguments": {"a": 1}}}]},
              {"role": "tool", "tool_call_id": "call_probe", "name": _PROBE_CALL, "content": _PROBE_RESULT}]
     tool = {"type": "function", "function": {"name": _PROBE_TOOL, "description": "d",
                                              "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
-    try:
-        text = tokenizer.apply_chat_template(probe, tools=[tool], chat_template=template, add_generation_prompt=True, tokenize=False)
-        ok = all(s in text for s in (_PROBE_TOOL, _PROBE_CALL, _PROBE_RESULT))
-    except Exception:  # noqa: BLE001  (a template may raise anything on roles or fields it does not know)
-        ok = False
-    with _RENDERS_LOCK:
-        _RENDERS[template] = ok
-    return ok
+    return _shows(tokenizer, template, probe, [tool], (_PROBE_TOOL, _PROBE_CALL, _PROBE_RESULT))
+
+
+def shows_tool_role(tokenizer, template: str) -> bool:
+    """Whether `template` renders a `tool` turn's content (any role's, as ChatML templates do)."""
+    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}, {"role": "tool", "content": _PROBE_RESULT}]
+    return _shows(tokenizer, template, probe, None, (_PROBE_RESULT,))
 
 
 def prepare(tokenizer, messages: list[dict], template: str | None, specs) -> tuple[list[dict], list | None]:
@@ -308,4 +321,4 @@ def prepare(tokenizer, messages: list[dict], template: str | None, specs) -> tup
         return messages, None
     if template and renders_tools(tokenizer, template):
         return native_messages(messages), (list(specs) or None)
-    return plain_messages(messages, specs), None
+    return plain_messages(messages, specs, tool_role=not template or shows_tool_role(tokenizer, template)), None

@@ -40,7 +40,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 TOOLS = [WEATHER, TIME]
 NAMED = {"type": "function", "function": {"name": "get_time"}}
 MESSAGES = [{"role": "user", "content": "Hello! How are you today?"}]
-# a template that renders tools, calls and results (as Qwen's does, shorter)
+# a template that renders tools, calls and results (as Qwen's does, in short)
 TOOL_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTOOLS{% for t in tools %} {{ t['function']['name'] }}{% endfor %}<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
@@ -101,7 +101,9 @@ def test_call_grammars_take_what_each_tool_choice_allows(setup):
     assert consumes(tok, auto, "Hi there, <tool_call> is a tag.") == (True, True)  # text: a call only at the start
     assert consumes(tok, auto, call) == (True, True) and consumes(tok, auto, "") == (True, True)
     assert not consumes(tok, auto, "<tool_call>not json")[0] and not consumes(tok, auto, "\n <tool_call>{")[0]
-    assert parse_tools(TOOLS, "none").constraint is None and parse_tools(None, "auto") is None
+    none = parse_tools(TOOLS, "none").constraint
+    assert consumes(tok, none, "Hi there") == (True, True) and not consumes(tok, none, call)[0]
+    assert parse_tools(None, "auto") is None and parse_tools([], "none") is None
 
 
 def test_a_stream_holds_a_call_and_passes_text():
@@ -129,7 +131,7 @@ def test_speculation_equals_plain_decoding_with_tools(setup, sample):
     reqs = []
     for i, choice in enumerate(choices):
         plan = parse_tools(TOOLS, choice)
-        ids = encode_chat(tok, MESSAGES, tools=list(plan.shown))
+        ids = encode_chat(tok, MESSAGES, tools=list(plan.specs))
         reqs.append(Request(i, ids, GenerationSettings(max_new_tokens=120, eos_token_ids=(eos,), constraint=plan.constraint,
                                                        seed=i + 3, **kw)))
     plain = run(Engine(model, None, tok, costs=FLAT), reqs)
@@ -165,12 +167,17 @@ def test_message_parsing_takes_tool_turns_and_the_prompt_shows_them(setup):
     assert json.loads(parse_messages(conversation({"location": "rome", "unit": "celsius"}))[1]["tool_calls"][0]["function"]["arguments"]) \
         == {"location": "rome", "unit": "celsius"}  # arguments as an object are taken too
     msgs = parse_messages(conversation())
-    # the tiny template renders no tools: the system block, the call as text, the results as one user turn
+    # the tiny template renders no tools: the system block, the call as text, the results as tool turns
     text, _ = render_chat(tok, msgs, None, [WEATHER])
     assert text.startswith("<|im_start|>system\n# Tools") and json.dumps(WEATHER) in text
     assert '<|im_start|>assistant\n<tool_call>{"name": "get_weather", "arguments": {"location": "paris", "unit": "celsius"}}</tool_call><|im_end|>' in text
+    assert "<|im_start|>tool\n18 C<|im_end|>\n<|im_start|>tool\nsunny<|im_end|>\n<|im_start|>assistant\n" in text
+    # a template that refuses the tool role: the results as one user turn
+    strict = "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool role') }}{% endif %}" \
+             + tok.chat_template.split("{% for m in messages %}", 1)[1]
+    text, _ = render_chat(tok, msgs, strict, [WEATHER])
     assert "<|im_start|>user\n<tool_response>\n18 C\n</tool_response>\n<tool_response>\nsunny\n</tool_response><|im_end|>" in text
-    assert "# Tools" not in render_chat(tok, msgs, None, None)[0]  # tool_choice none: the calls shown, not the tools
+    assert "# Tools" not in render_chat(tok, msgs, None, None)[0]  # no tools: the calls shown all the same
     with_sys, _ = render_chat(tok, [{"role": "system", "content": "Be brief."}] + msgs, None, [WEATHER])
     assert with_sys.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
     # a template that renders tools gets them, and the calls' arguments as objects
