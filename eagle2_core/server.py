@@ -106,8 +106,9 @@ def _settings(body: dict, default: GenerationSettings) -> GenerationSettings:
 def _constrained(body: dict, gen: GenerationSettings, rt, tools=None) -> GenerationSettings:
     """`gen` with the request's `response_format` (structured.py): OpenAI's json_schema and
     json_object, and the extensions regex and grammar; a 400 naming the field for one that
-    does not compile. Or with the grammar of its `tools` (a tools.ToolPlan). The grammar is checked against the tokenizer here, in the request's thread, so
-    the engine thread never meets a grammar it cannot run."""
+    does not compile. Or with the grammar of its `tools` (a tools.ToolPlan). The grammar is
+    checked against the tokenizer here, in the request's thread, so the engine thread never
+    meets a grammar it cannot run."""
     from .structured import ConstraintError, from_response_format, ll_tokenizer
 
     param = "response_format"

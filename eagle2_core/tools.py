@@ -14,8 +14,8 @@ exactly the text of plain constrained decoding):
 A chat template that renders tools, and assistant turns' calls and tool results (probed once per
 template, `renders_tools`), gets them as transformers passes them. Any other template gets plain
 messages: the tools as a system block (`tool_block`), each earlier call as the assistant's text in
-the call format, and tool results as `tool` turns where the template shows that role (SmolLM2's
-answers from such a turn, where it echoes a user turn's tags), else as a user turn of
+the call format, and tool results as `tool` turns where the template shows that role (SmolLM2
+answers from such a turn, and echoes the tags of a user turn), else as one user turn of
 `<tool_response>` blocks.
 """
 from __future__ import annotations
