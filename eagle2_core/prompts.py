@@ -126,6 +126,8 @@ def _content_text(content, fld: str) -> str:
 
 
 def parse_messages(msgs, fld: str = "messages") -> list[dict]:
+    """Each message as `{"role", "content"}` (content as text), plus an assistant's `tool_calls`
+    (its content then may be null or missing, and is "") and a tool message's `tool_call_id`."""
     if not isinstance(msgs, list):
         raise InputError(f"must be a list of {{role, content}} objects, not {type(msgs).__name__}", field=fld)
     if not msgs:
@@ -138,11 +140,56 @@ def parse_messages(msgs, fld: str = "messages") -> list[dict]:
         role = m.get("role")
         if not isinstance(role, str) or role not in ROLES:
             raise InputError(f"role must be one of {', '.join(ROLES)}, not {role!r}", field=f"{f}.role")
+        calls = _tool_calls(m.get("tool_calls"), f"{f}.tool_calls") if role == "assistant" else None
+        if calls and m.get("content") is None:
+            out.append({"role": role, "content": "", "tool_calls": calls})
+            continue
         if "content" not in m:
             raise InputError("is missing", field=f"{f}.content")
-        out.append({"role": role, "content": _content_text(m["content"], f"{f}.content")})
+        msg = {"role": role, "content": _content_text(m["content"], f"{f}.content")}
+        if calls:
+            msg["tool_calls"] = calls
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise InputError("must be the id (a string) of the call this message answers", field=f"{f}.tool_call_id")
+            msg["tool_call_id"] = check_text(m["tool_call_id"], f"{f}.tool_call_id")
+            if isinstance(m.get("name"), str):
+                msg["name"] = check_text(m["name"], f"{f}.name")
+        out.append(msg)
     if out[-1]["role"] == "assistant":
         raise InputError("ends with an assistant message; nothing to answer", field=fld)
+    return out
+
+
+def _tool_calls(calls, fld: str) -> list[dict] | None:
+    """An assistant message's `tool_calls`, each `{id, type: "function", function: {name,
+    arguments}}` with arguments as the JSON text of an object (an object is taken too); None for none."""
+    if calls is None or calls == []:
+        return None
+    if not isinstance(calls, list):
+        raise InputError("must be a list of tool calls", field=fld)
+    out = []
+    for j, c in enumerate(calls):
+        f = f"{fld}[{j}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise InputError('must be an object like {"id", "type": "function", "function": {"name", "arguments"}}', field=f)
+        args = fn.get("arguments", "{}")
+        if isinstance(args, dict):
+            args = json.dumps(args, ensure_ascii=False)
+        elif isinstance(args, str):
+            check_text(args, f"{f}.function.arguments")
+        try:
+            ok = isinstance(args, str) and isinstance(json.loads(args), dict)
+        except json.JSONDecodeError:
+            ok = False
+        if not ok:  # rendered again as an object, by the template or in the call format
+            raise InputError("must be the JSON text of an object", field=f"{f}.function.arguments")
+        cid = c.get("id")
+        if cid is not None and not isinstance(cid, str):
+            raise InputError("must be a string", field=f"{f}.id")
+        out.append({"id": check_text(cid, f"{f}.id") if cid else f"call_{j}", "type": "function",
+                    "function": {"name": check_text(fn["name"], f"{f}.function.name"), "arguments": args}})
     return out
 
 
@@ -390,21 +437,28 @@ def with_system(messages: list[dict], system_prompt: str | None) -> list[dict]:
     return [{"role": "system", "content": system_prompt}] + list(messages)
 
 
-def render_chat(tokenizer, messages: list[dict], chat_template: str | None = None) -> tuple[str, bool]:
+def render_chat(tokenizer, messages: list[dict], chat_template: str | None = None, tools=None) -> tuple[str, bool]:
     """(text, templated): the conversation rendered with a generation prompt.
 
     Uses `chat_template`, else the tokenizer's; a model without one gets plain text (the lone
     user message itself, or "Role: content" paragraphs). A template that rejects the system
-    role gets the system text folded into the first user message.
+    role gets the system text folded into the first user message. `tools` (OpenAI function specs)
+    and tool turns go to a template that renders them, or become plain messages (tools.prepare).
     """
     template = chat_template or getattr(tokenizer, "chat_template", None)
+    extra = {}
+    if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        from .tools import prepare
+
+        messages, shown = prepare(tokenizer, messages, template, tools)
+        extra = {"tools": shown} if shown else {}
     if template:
         try:
-            return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False), True
+            return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False, **extra), True
         except Exception as e:  # jinja TemplateError, "System role not supported", ...
             if messages and messages[0]["role"] == "system" and len(messages) > 1:
                 folded = [dict(messages[1], content=messages[0]["content"] + "\n\n" + messages[1]["content"])] + list(messages[2:])
-                return tokenizer.apply_chat_template(folded, chat_template=template, add_generation_prompt=True, tokenize=False), True
+                return tokenizer.apply_chat_template(folded, chat_template=template, add_generation_prompt=True, tokenize=False, **extra), True
             raise InputError(f"chat template failed: {e}") from None
     if len(messages) == 1 and messages[0]["role"] == "user":
         return messages[0]["content"], False
@@ -412,15 +466,17 @@ def render_chat(tokenizer, messages: list[dict], chat_template: str | None = Non
     return text + "\n\nAssistant:", False
 
 
-def encode_chat(tokenizer, messages: list[dict], system_prompt: str | None = None, chat_template: str | None = None) -> list[int]:
-    """Token ids of the conversation plus the assistant generation prompt."""
+def encode_chat(tokenizer, messages: list[dict], system_prompt: str | None = None, chat_template: str | None = None,
+                tools=None) -> list[int]:
+    """Token ids of the conversation plus the assistant generation prompt; `tools` (OpenAI
+    function specs) shown as render_chat shows them."""
     # Parsed lines are checked already; a chat turn or --system-prompt from a non-UTF-8 argv or
     # stdin is not, and the tokenizer's own failure (a TypeError) names nothing.
     if system_prompt and text_problem(system_prompt):
         raise InputError(text_problem(system_prompt), path="system prompt")
     for i, m in enumerate(messages):
         check_text(m["content"], f"messages[{i}].content")
-    text, templated = render_chat(tokenizer, with_system(messages, system_prompt), chat_template)
+    text, templated = render_chat(tokenizer, with_system(messages, system_prompt), chat_template, tools)
     # A template writes its own BOS; plain text gets the tokenizer's special tokens.
     ids = list(tokenizer(text, add_special_tokens=not templated)["input_ids"])
     if not ids:  # the model needs at least one position to predict from
@@ -445,11 +501,12 @@ class SplicedIds:
     spliced: int = 0                                      # turns whose prompt continued `seen_ids`
     prompt: tuple | None = field(default=None, repr=False)  # (rendered text, ids) of the turn being answered
 
-    def encode(self, tokenizer, messages: list[dict], system_prompt: str | None = None, chat_template: str | None = None) -> list[int]:
+    def encode(self, tokenizer, messages: list[dict], system_prompt: str | None = None, chat_template: str | None = None,
+               tools=None) -> list[int]:
         """Token ids of `messages` plus the generation prompt, continuing the ids seen so far where
         the template allows. Raises InputError as encode_chat does."""
-        ids = encode_chat(tokenizer, messages, system_prompt, chat_template)  # checks the texts; the fallback
-        text, _ = render_chat(tokenizer, with_system(messages, system_prompt), chat_template)
+        ids = encode_chat(tokenizer, messages, system_prompt, chat_template, tools)  # checks the texts; the fallback
+        text, _ = render_chat(tokenizer, with_system(messages, system_prompt), chat_template, tools)
         if self.seen_ids and text.startswith(self.seen_text):
             ids = self.seen_ids + list(tokenizer(text[len(self.seen_text):], add_special_tokens=False)["input_ids"])
             self.spliced += 1

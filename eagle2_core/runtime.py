@@ -242,12 +242,13 @@ class Runtime:
         """`generation_settings` in one line ("greedy: repetition_penalty 1.3")."""
         return generation_label(self.gen, getattr(self.model, "generation_config", None))
 
-    def encode(self, messages: list[dict], spliced: SplicedIds | None = None) -> list[int]:
-        """Token ids of a conversation; with `spliced`, continuing the ids its earlier turns were
-        generated as (prompts.SplicedIds), so a kept cache of the earlier turn serves it whole."""
+    def encode(self, messages: list[dict], spliced: SplicedIds | None = None, tools=None) -> list[int]:
+        """Token ids of a conversation (and `tools`, OpenAI function specs, shown to the model);
+        with `spliced`, continuing the ids its earlier turns were generated as (prompts.SplicedIds),
+        so a kept cache of the earlier turn serves it whole."""
         if spliced is not None:
-            return spliced.encode(self.tokenizer, messages, self.system_prompt, self.chat_template)
-        return encode_chat(self.tokenizer, messages, self.system_prompt, self.chat_template)
+            return spliced.encode(self.tokenizer, messages, self.system_prompt, self.chat_template, tools)
+        return encode_chat(self.tokenizer, messages, self.system_prompt, self.chat_template, tools)
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)

@@ -23,6 +23,7 @@ import time
 from .chat import IncrementalDetokenizer
 from .events import GenerationSettings, StepEvent
 from .prompts import InputError, apply_overrides, check_text, parse_messages, parse_overrides
+from .tools import CallStream, ToolError, parse_tools
 from .worker import EngineWorker, Job, QueueFull
 
 # Fields of the OpenAI API that change nothing here, or that eagle2 applies.
@@ -102,19 +103,25 @@ def _settings(body: dict, default: GenerationSettings) -> GenerationSettings:
     return apply_overrides(default, over)
 
 
-def _constrained(body: dict, gen: GenerationSettings, rt) -> GenerationSettings:
+def _constrained(body: dict, gen: GenerationSettings, rt, tools=None) -> GenerationSettings:
     """`gen` with the request's `response_format` (structured.py): OpenAI's json_schema and
     json_object, and the extensions regex and grammar; a 400 naming the field for one that
-    does not compile. The grammar is checked against the tokenizer here, in the request's
-    thread, so the engine thread never meets a grammar it cannot run."""
+    does not compile. Or with the grammar of its `tools` (a tools.ToolPlan). The grammar is
+    checked against the tokenizer here, in the request's thread, so the engine thread never
+    meets a grammar it cannot run."""
     from .structured import ConstraintError, from_response_format, ll_tokenizer
 
+    param = "response_format"
     try:
         c = from_response_format(body["response_format"]) if body.get("response_format") is not None else None
+        if tools is not None and tools.constraint is not None:
+            if c is not None:  # one grammar per answer: the tools', or the response_format's
+                raise ApiError("response_format cannot apply beside tools: leave one of them out", param="response_format")
+            c, param = tools.constraint, "tools"
         if c is not None:
             ll_tokenizer(rt.tokenizer, rt.model.get_output_embeddings().weight.shape[0])  # built once per process
     except ConstraintError as e:
-        raise ApiError(str(e), param="response_format") from None
+        raise ApiError(str(e), param=param) from None
     return dataclasses.replace(gen, constraint=c) if c is not None else gen
 
 
@@ -125,6 +132,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     kind: str   # "chat" or "text"
+    tools: object = None  # the chat request's tools.ToolPlan, None without tools
 
 
 def _fits(ids: list[int], max_positions: int, param: str) -> None:
@@ -177,10 +185,12 @@ def parse_chat(body, rt) -> Parsed:
         raise ApiError("this model has no chat template: use /v1/completions (or serve with --chat-template FILE)", param="messages")
     _refuse_if(body, "logprobs", lambda v: v is not False)
     _refuse_if(body, "top_logprobs", lambda v: True)
-    _refuse_if(body, "tools", lambda v: bool(v), " (no tool calling)")
-    _refuse_if(body, "functions", lambda v: bool(v), " (no tool calling)")
-    _refuse_if(body, "tool_choice", lambda v: v not in ("none", "auto") or bool(body.get("tools")))
-    _refuse_if(body, "function_call", lambda v: v not in ("none", "auto"))
+    _refuse_if(body, "functions", lambda v: bool(v), " (the deprecated form: give tools)")
+    _refuse_if(body, "function_call", lambda v: v not in ("none", "auto"), " (the deprecated form: give tool_choice)")
+    try:
+        tools = parse_tools(body.get("tools"), body.get("tool_choice"))
+    except ToolError as e:
+        raise ApiError(e.message, param=e.param) from None
     _refuse_if(body, "modalities", lambda v: v != ["text"])
     for name in ("audio", "prediction", "reasoning_effort", "web_search_options", "verbosity"):
         _refuse_if(body, name, lambda v: True)
@@ -190,14 +200,15 @@ def parse_chat(body, rt) -> Parsed:
         messages = parse_messages(body["messages"])
     except InputError as e:
         raise ApiError(f"{e.field}: {e.message}", param=e.field) from None
-    gen = _constrained(body, _settings(body, rt.gen), rt)
-    check_length("\n".join(m["content"] for m in messages), rt.tokenizer, rt.max_positions, "messages")
+    gen = _constrained(body, _settings(body, rt.gen), rt, tools)
+    shown = list(tools.specs) if tools is not None else []
+    check_length("\n".join([m["content"] for m in messages] + [json.dumps(shown)]), rt.tokenizer, rt.max_positions, "messages")
     try:
-        ids = rt.encode(messages)
+        ids = rt.encode(messages, tools=shown) if shown else rt.encode(messages)
     except InputError as e:
         raise ApiError(e.describe() if e.path else str(e), param="messages") from None
     _fits(ids, rt.max_positions, "messages")
-    return Parsed(ids, gen, bool(body.get("stream")), bool((body.get("stream_options") or {}).get("include_usage")), "chat")
+    return Parsed(ids, gen, bool(body.get("stream")), bool((body.get("stream_options") or {}).get("include_usage")), "chat", tools)
 
 
 def parse_completion(body, rt) -> Parsed:
@@ -448,9 +459,11 @@ def create_app(rt, engine, *, model_name: str, api_key: str | None = None, cors:
             if message["type"] == "http.disconnect":
                 return
 
-    def chunk(rid: str, kind: str, text: str | None, reason: str | None, role: bool = False) -> dict:
+    def chunk(rid: str, kind: str, text: str | None, reason: str | None, role: bool = False, call: dict | None = None) -> dict:
         if kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+            if call is not None:  # a tool call goes out whole, as the stream's one call delta
+                delta = {"tool_calls": [{"index": 0, **call}]}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
             return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name,
                     "system_fingerprint": fingerprint, "choices": [choice]}
@@ -484,6 +497,7 @@ def create_app(rt, engine, *, model_name: str, api_key: str | None = None, cors:
             return error(ApiError(f"the server is busy: {e}; retry later", status=429, kind="rate_limit_error"), {"Retry-After": "1"})
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
         text = TextStream(rt.tokenizer, parsed.gen.stop_strings)
+        calls = CallStream(parsed.tools) if parsed.tools is not None and parsed.tools.calls else None
 
         async def next_event():
             """The job's next event; ("stopped", None) once the server's grace period is over."""
@@ -508,15 +522,21 @@ def create_app(rt, engine, *, model_name: str, api_key: str | None = None, cors:
                         k, payload = await next_event()
                         if k == "event":
                             piece = text.push(payload.token_ids)
+                            piece = calls.push(piece) if calls is not None else piece
                             if piece:
                                 yield sse(chunk(rid, kind, piece, None))
                             if text.stopped:
                                 worker.cancel(key)  # cut by a stop string here: free the row now
                         elif k == "done":
                             summary, _ = payload
-                            rest = text.finish()
+                            rest, call = text.finish(), None
+                            if calls is not None:
+                                rest, call = calls.finish(rest)
                             finished = True
-                            yield sse(chunk(rid, kind, rest if rest else ("" if kind == "text" else None), finish_reason(summary, text)))
+                            if call is not None:
+                                yield sse(chunk(rid, kind, None, None, call=call))
+                            reason = "tool_calls" if call is not None else finish_reason(summary, text)
+                            yield sse(chunk(rid, kind, rest if rest else ("" if kind == "text" else None), reason))
                             if parsed.include_usage:
                                 yield sse({"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                                            "created": int(time.time()), "model": model_name, "choices": [],
@@ -527,6 +547,7 @@ def create_app(rt, engine, *, model_name: str, api_key: str | None = None, cors:
                             if k == "stopped":
                                 worker.cancel(key)
                                 rest = text.finish()  # what was held back (a possible stop string's start) is the answer's
+                                rest = calls.release(rest) if calls is not None else rest
                                 if rest:
                                     yield sse(chunk(rid, kind, rest, None))
                             finished = True
@@ -573,7 +594,12 @@ def create_app(rt, engine, *, model_name: str, api_key: str | None = None, cors:
         text.finish()
         content = text.text  # every piece: nothing of it was sent yet
         reason = finish_reason(summary, text)
-        if kind == "chat":
+        call = parsed.tools.read(content) if parsed.tools is not None else None
+        if call is not None:
+            choice = {"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": [call]}, "logprobs": None,
+                      "finish_reason": "tool_calls"}
+            obj = "chat.completion"
+        elif kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None, "finish_reason": reason}
             obj = "chat.completion"
         else:

@@ -188,7 +188,7 @@ def test_a_disconnect_frees_its_row(server):
     ({"messages": MESSAGES[0], "frobnicate": 1}, "frobnicate"),
     ({"messages": MESSAGES[0], "temperature": "hot"}, "temperature"),
     ({"messages": MESSAGES[0], "logprobs": True}, "logprobs"),
-    ({"messages": MESSAGES[0], "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": MESSAGES[0], "tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
     ({"messages": MESSAGES[0], "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}}}, "response_format"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": "the sea is blue " * 300}]}, "messages"),
