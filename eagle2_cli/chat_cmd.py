@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from .options import common_options
+from .options import common_options, constrain, constraint_options
 from .ui import error, renamed_flag
 
 HELP = """\
@@ -29,6 +29,8 @@ Examples:
   eagle2 chat --show-draft --compare -s "You are terse."
   echo "Tell me a joke" | eagle2 chat --no-baseline
   eagle2 chat --model meta-llama/Llama-3.1-8B-Instruct -t 0.7 --top-p 0.9
+  eagle2 chat --json-schema person.json -p "Describe a pirate"
+  eagle2 chat --regex '(yes|no)' -p "Is the sea blue?"
 """
 
 UI_FLAGS = ("show_draft", "compare")
@@ -358,9 +360,10 @@ def key_bindings():
               help="Prefill every turn's whole conversation again instead of continuing the kept cache of the last one.")
 @click.option("--history", "history_file", type=click.Path(dir_okay=False), default=None,
               help="Input history file [default: ~/.cache/eagle2/chat_history, or under $XDG_CACHE_HOME / $EAGLE2_CACHE].")
+@constraint_options
 @common_options(no_speculation=True)
 def chat(prompts, show_draft, compare_each, no_baseline, baseline_tokens, no_calibrate, calibration_tokens, no_prefix_cache,
-         history_file, common):
+         history_file, constraint, common):
     """Chat with a model, EAGLE-2 decoding, with live speed statistics.
 
     Streams each answer as tokens are accepted, under a panel with tau (tokens per target
@@ -372,6 +375,7 @@ def chat(prompts, show_draft, compare_each, no_baseline, baseline_tokens, no_cal
 
     out, err = consoles()
     rt = common.load(err)
+    constrain(rt, constraint)
     if not no_prefix_cache:
         from eagle2_core.prefix import PrefixCache
 

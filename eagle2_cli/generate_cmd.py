@@ -6,11 +6,11 @@ import time
 
 import click
 
-from .options import CountOrAuto, UserInputError, common_options
+from .options import CountOrAuto, UserInputError, common_options, constrain, constraint_options
 
 EPILOG = """\b
 Input lines (JSONL; sampling keys such as max_new_tokens, temperature, top_p, top_k, seed,
-stop may be set per line):
+stop, and a response_format (json_schema, json_object, regex, grammar) may be set per line):
   {"id": 1, "prompt": "Write a haiku"}
   {"id": 2, "messages": [{"role": "user", "content": "Hi"}]}
   {"question_id": 81, "turns": ["First question", "Follow-up"]}          (MT-bench)
@@ -42,8 +42,9 @@ Examples:
                    "auto: the size that this machine's measured costs say is fastest; 1: one prompt at a time.")
 @click.option("--no-prefix-cache", is_flag=True,
               help="Prefill a conversation's later turns whole instead of continuing the kept cache of its earlier turn.")
+@constraint_options
 @common_options(no_speculation=True)
-def generate(input_path, output_path, overwrite, no_progress, batch_size, no_prefix_cache, common):
+def generate(input_path, output_path, overwrite, no_progress, batch_size, no_prefix_cache, constraint, common):
     """Generate answers for every prompt in a JSONL file.
 
     MT-bench lines run turn by turn: each answer goes into the next turn's prompt.
@@ -85,6 +86,8 @@ def generate(input_path, output_path, overwrite, no_progress, batch_size, no_pre
     if tree_tokens == 1:  # plain decoding: the engine's cycle with a tree of one node
         common.total_tokens = None
     rt = common.load(err) if todo else None
+    if rt is not None:
+        constrain(rt, constraint)
     if rt is not None and not no_prefix_cache:
         from eagle2_core.prefix import PrefixCache
 

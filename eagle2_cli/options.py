@@ -6,6 +6,7 @@ completion are instant.
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass, fields
 
 import click
@@ -250,3 +251,74 @@ def common_options(f=None, *, max_new_tokens: int = 256, no_speculation: bool = 
         return wrapper
 
     return deco(f) if f is not None else deco
+
+
+def constraint_options(func):
+    """--json-schema FILE, --regex TEXT, --grammar FILE: what every answer must match
+    (eagle2_core/structured.py); the command receives one `constraint` argument (None: free text)."""
+    o = click.option
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        kwargs["constraint"] = load_constraint(kwargs.pop("json_schema"), kwargs.pop("regex"), kwargs.pop("grammar"))
+        return func(*args, **kwargs)
+
+    for opt in reversed([
+        o("--json-schema", type=click.Path(exists=True, dir_okay=False), default=None, metavar="FILE",
+          help="Every answer is JSON matching this JSON schema (a file; OpenAI's {\"name\", \"schema\"} wrapper is read too)."),
+        o("--regex", default=None, metavar="REGEX", help="Every answer matches this regular expression, whole."),
+        o("--grammar", type=click.Path(exists=True, dir_okay=False), default=None, metavar="FILE",
+          help="Every answer matches this grammar: Lark (rule `start`) or GBNF (rule `root`, told apart by `::=`)."),
+    ]):
+        wrapper = opt(wrapper)
+    return wrapper
+
+
+def load_constraint(json_schema: str | None, regex: str | None, grammar: str | None):
+    """The structured.Constraint the flags ask for, or None; a bad file or pattern is one line (exit 2)."""
+    given = [n for n, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar)) if v is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise click.UsageError(f"{' and '.join(given)} exclude each other: give one constraint")
+    from eagle2_core import structured
+
+    def read(path: str) -> str:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserInputError(f"{path}: cannot read it ({e})") from None
+
+    try:
+        if json_schema is not None:
+            text = read(json_schema)
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise UserInputError(f"{json_schema}: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+            if isinstance(obj, dict) and isinstance(obj.get("schema"), dict) and "type" not in obj:
+                return structured.json_schema(obj["schema"], obj.get("name") if isinstance(obj.get("name"), str) else None)
+            return structured.json_schema(obj)
+        if regex is not None:
+            return structured.regex(regex)
+        return structured.grammar(read(grammar), "gbnf" if grammar.endswith(".gbnf") else "lark" if grammar.endswith(".lark") else "auto")
+    except structured.ConstraintError as e:
+        raise UserInputError(f"{given[0]}: {e}") from None
+
+
+def constrain(rt, constraint) -> None:
+    """The runtime's default settings constrained (chat's turns, generate's lines without a
+    response_format of their own); the grammar's tokenizer is built now, once, so a tokenizer
+    llguidance cannot read is said before the first answer."""
+    if constraint is None:
+        return
+    import dataclasses
+
+    from eagle2_core import structured
+
+    try:
+        structured.ll_tokenizer(rt.tokenizer, rt.model.get_output_embeddings().weight.shape[0])
+    except structured.ConstraintError as e:
+        raise UserInputError(str(e)) from None
+    rt.gen = dataclasses.replace(rt.gen, constraint=constraint)

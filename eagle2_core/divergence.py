@@ -118,7 +118,8 @@ def explain(model, prompt: list[int], expected: list[int], got: list[int], token
         return d
     ids = list(prompt) + list(expected[:token])
     eos = gen.eos_token_ids if gen.eos_token_ids is not None else model_eos_ids(model, tokenizer)
-    procs = TargetProcessors(gen, getattr(model, "generation_config", None), prompt, sorted(eos), gen.max_new_tokens, _device(model))
+    procs = TargetProcessors(gen, getattr(model, "generation_config", None), prompt, sorted(eos), gen.max_new_tokens, _device(model),
+                             tokenizer=tokenizer, vocab_size=model.get_output_embeddings().weight.shape[0])
     history = torch.as_tensor(ids, dtype=torch.long, device=_device(model))[None]
 
     def gap_of(logits: torch.Tensor) -> tuple[float, float]:

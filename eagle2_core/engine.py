@@ -45,7 +45,9 @@ class Request:
 def new_slot(key, gen, stop, summary, model=None, prompt=(), eos=()) -> Slot:
     from .sampling import TargetProcessors
 
-    procs = TargetProcessors(gen, getattr(model, "generation_config", None), list(prompt) or [0], sorted(eos), gen.max_new_tokens)
+    vocab = model.get_output_embeddings().weight.shape[0] if gen.constraint is not None and model is not None else None
+    procs = TargetProcessors(gen, getattr(model, "generation_config", None), list(prompt) or [0], sorted(eos), gen.max_new_tokens,
+                             tokenizer=getattr(stop, "tokenizer", None), vocab_size=vocab)
     # a seeded answer depends on (seed, position) alone; unseeded, a fresh 64-bit seed per sequence
     return Slot(key=key, stop=stop, procs=procs, prompt=list(prompt), seed=generation_seed(gen.seed), summary=summary,
                 started=time.perf_counter(), logprobs=getattr(gen, "logprobs", None))

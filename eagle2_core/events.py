@@ -38,6 +38,9 @@ class GenerationSettings:
     # (sampling.TargetProcessors); False: only the fields above. The fields above are always
     # these values: sampling.settings_from_model takes their defaults from the model's config.
     use_generation_config: bool = True
+    # What the output must match (structured.Constraint: a JSON schema, a regex, a grammar), as
+    # one more logits processor on every tree node; None: free text.
+    constraint: Any = None
     # Each emitted token's log-probability, with this many of the likeliest tokens beside it
     # (0 to logprobs.MAX_TOP); None: none computed (no cost).
     logprobs: int | None = None

@@ -8,7 +8,9 @@ Accepted JSON lines (one object per line, blank lines skipped):
 - `{"custom_id": ..., "body": {"messages": [...], "max_tokens": N, "temperature": T}}`   OpenAI batch
 
 Sampling overrides may sit on the line (`max_new_tokens`/`max_tokens`, `temperature`, `top_p`,
-`top_k`, `seed`, `stop`), or in `body` for OpenAI batch lines. A line without an id is named by
+`top_k`, `seed`, `stop`), or in `body` for OpenAI batch lines, and so may a `response_format`
+(structured.py: JSON schema, JSON object, regex, grammar). OpenAI fields that eagle2 cannot apply
+(tools, logprobs, n > 1, ...) are refused, never dropped. A line without an id is named by
 its line number. No terminal code here: errors are `InputError`s carrying file, line and field.
 """
 from __future__ import annotations
@@ -181,6 +183,46 @@ def parse_overrides(obj: dict, prefix: str = "") -> dict:
     return out
 
 
+# OpenAI request fields that would change the output and that eagle2 cannot apply: each is
+# refused in one line where its value asks for something (never dropped), as the server refuses them.
+UNSUPPORTED_FIELDS = (
+    ("tools", lambda v: bool(v), "no tool calling"),
+    ("functions", lambda v: bool(v), "no tool calling"),
+    ("tool_choice", lambda v: v not in ("none", "auto"), "no tool calling"),
+    ("function_call", lambda v: v not in ("none", "auto"), "no tool calling"),
+    ("logprobs", lambda v: v is not False and v != 0, "no logprobs"),
+    ("top_logprobs", lambda v: v != 0, "no logprobs"),
+    ("n", lambda v: v != 1, "one answer per prompt"),
+    ("best_of", lambda v: v != 1, "one answer per prompt"),
+    ("frequency_penalty", lambda v: v != 0, "repetition_penalty is applied instead"),
+    ("presence_penalty", lambda v: v != 0, "repetition_penalty is applied instead"),
+    ("logit_bias", lambda v: bool(v), "no logit bias"),
+    ("echo", lambda v: v is not False, "the prompt is not echoed"),
+    ("suffix", lambda v: bool(v), "no insertion"),
+    ("prediction", lambda v: True, "predicted outputs"),
+    ("audio", lambda v: True, "text only"),
+    ("modalities", lambda v: v != ["text"], "text only"),
+)
+
+
+def parse_request_fields(obj: dict, prefix: str = "") -> dict:
+    """GenerationSettings fields from a line's OpenAI request fields beyond sampling: the
+    constraint of its `response_format` (structured.py); an InputError for a field eagle2
+    cannot apply (UNSUPPORTED_FIELDS) or a response_format it cannot compile."""
+    for name, asks, why in UNSUPPORTED_FIELDS:
+        if name in obj and obj[name] is not None and asks(obj[name]):
+            raise InputError(f"{json.dumps(obj[name])[:60]} is not supported by eagle2 ({why})", field=prefix + name)
+    if obj.get("response_format") is None:
+        return {}
+    from .structured import ConstraintError, from_response_format
+
+    try:
+        c = from_response_format(obj["response_format"], prefix + "response_format")
+    except ConstraintError as e:
+        raise InputError(str(e), field=prefix + "response_format") from None
+    return {} if c is None else {"constraint": c}
+
+
 def _id_of(obj: dict, line: int | None) -> tuple[str, Any]:
     for key in ("custom_id", "question_id", "id"):
         if key in obj:
@@ -208,9 +250,12 @@ def parse_record(obj, line: int | None = None) -> PromptItem:
                 raise InputError("is missing", field="body.messages")
             msgs = parse_messages(body["messages"], "body.messages")
             over = parse_overrides(body, "body.")
+            over.update(parse_request_fields(body, "body."))
             over.update(parse_overrides(obj))
+            over.update(parse_request_fields(obj))
             return PromptItem(key, rid, msgs, overrides=over, line=line)
         over = parse_overrides(obj)
+        over.update(parse_request_fields(obj))
         category = obj.get("category") if isinstance(obj.get("category"), str) else None
         if category is not None:  # echoed, like the id
             check_text(category, "category")

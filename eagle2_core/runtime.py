@@ -223,8 +223,15 @@ class Runtime:
                 "head_kind": getattr(self.head, "kind", None),
                 "device": str(self.model.get_output_embeddings().weight.device),
                 "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
-                "generation": dataclasses.asdict(self.gen), "generation_config": self.generation_settings(),
+                "generation": self.generation_fields(), "generation_config": self.generation_settings(),
                 "tree": dataclasses.asdict(self.tree), "gguf_block_bytes": self.target.block_bytes, "arithmetic": self.arithmetic}
+
+    def generation_fields(self) -> dict:
+        """`self.gen` as a dict, its constraint (structured.Constraint) by kind and source, not its compiled grammar."""
+        g = dataclasses.asdict(dataclasses.replace(self.gen, constraint=None))
+        c = self.gen.constraint
+        g["constraint"] = None if c is None else {"kind": c.kind, "name": c.name, "source": c.source}
+        return g
 
     def generation_settings(self) -> dict:
         """The generation_config fields that shape the target's scores, and its processors in

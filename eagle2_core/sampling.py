@@ -15,6 +15,7 @@ call per depth, each row with its own history: exact, and cheap.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 from transformers import GenerationConfig
@@ -28,6 +29,7 @@ from transformers.generation.logits_process import (
 
 from .events import samples
 from .loading import LoadError
+from .structured import grammar_mask
 from .tree import DraftTree
 
 # Processors whose output depends on the scores alone (never on input_ids): applied to all rows at once.
@@ -115,10 +117,12 @@ def settings_from_model(model_config: GenerationConfig | None, overrides: dict |
     return base
 
 
-def build_processors(cfg: GenerationConfig, prompt: torch.Tensor, eos: torch.Tensor | None, device) -> LogitsProcessorList:
+def build_processors(cfg: GenerationConfig, prompt: torch.Tensor, eos: torch.Tensor | None, device, extra=()) -> LogitsProcessorList:
     """The processors `generate` builds for `cfg` and a decoder-only prompt (1-D ids), in its order
     (`_get_logits_processor`, transformers 5.24) and with its classes; `cfg` is prepared as
-    `generate` prepares it (max_length, min_length), `eos` the EOS ids tensor or None."""
+    `generate` prepares it (max_length, min_length), `eos` the EOS ids tensor or None. `extra`
+    (a grammar's mask) goes where `generate` puts a caller's own `logits_processor`: after its
+    processors, before the warpers."""
     L = int(prompt.numel())
     procs = LogitsProcessorList()
     if cfg.sequence_bias is not None:
@@ -152,6 +156,7 @@ def build_processors(cfg: GenerationConfig, prompt: torch.Tensor, eos: torch.Ten
     if cfg.begin_suppress_tokens is not None:
         begin = L if (L > 1 or cfg.forced_bos_token_id is None) else L + 1
         procs.append(SuppressTokensAtBeginLogitsProcessor(cfg.begin_suppress_tokens, begin, device=device))
+    procs.extend(extra)
     if cfg.do_sample:  # the warpers, with one sequence (min_tokens_to_keep 1)
         if cfg.temperature is not None and cfg.temperature != 1.0:
             procs.append(TemperatureLogitsWarper(cfg.temperature))
@@ -195,7 +200,10 @@ class TargetProcessors:
     processor at all (the default greedy run) every method returns the logits untouched.
     """
 
-    def __init__(self, gen, model_config: GenerationConfig | None, prompt, eos_ids=(), max_new_tokens: int | None = None, device=None):
+    def __init__(self, gen, model_config: GenerationConfig | None, prompt, eos_ids=(), max_new_tokens: int | None = None, device=None,
+                 tokenizer=None, vocab_size: int | None = None):
+        """`tokenizer` and `vocab_size` (the lm_head's rows): what a constrained `gen` (its
+        `constraint`, structured.py) needs to build its grammar's mask."""
         prompt = torch.as_tensor(prompt, dtype=torch.long).view(-1)
         device = device if device is not None else prompt.device
         cfg = generation_config_for(gen, model_config)
@@ -207,7 +215,9 @@ class TargetProcessors:
         eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device) if eos_ids else None
         self.config = cfg
         self.sampling = bool(cfg.do_sample)
-        self.processors = build_processors(cfg, prompt.to(device), eos, device)
+        # the grammar's mask (structured.GrammarMask): one more processor, reading each row's own sequence
+        self.grammar = grammar_mask(gen, tokenizer, vocab_size, L, eos_ids)
+        self.processors = build_processors(cfg, prompt.to(device), eos, device, () if self.grammar is None else (self.grammar,))
         self.reads_history = any(not isinstance(p, HISTORY_FREE) for p in self.processors)
 
     @property
@@ -256,6 +266,8 @@ class TargetProcessors:
             path = tree.tokens.to(dev)[None].expand(sel.numel(), -1)[anc].view(sel.numel(), d + 1)
             ids = torch.cat([hist.expand(sel.numel(), -1), path], dim=1)
             out[rows] = self.processors(ids, logits[rows].float())
+        if self.grammar is not None:  # back to the committed text: whatever the tree held leaves no trace
+            self.grammar.commit(history[self.grammar.prompt_len :].tolist() + [int(tree.tokens[0])])
         return out
 
     def describe(self) -> dict:
@@ -280,12 +292,24 @@ class TargetProcessors:
 
 
 def generation_label(gen, model_config=None) -> str:
-    """`TargetProcessors.label` without a prompt (for reports before any generation)."""
-    return TargetProcessors(gen, model_config, torch.zeros(1, dtype=torch.long)).label()
+    """`TargetProcessors.label` without a prompt (for reports before any generation), the
+    constraint (structured.py) named last."""
+    c = getattr(gen, "constraint", None)
+    label = TargetProcessors(_unconstrained(gen), model_config, torch.zeros(1, dtype=torch.long)).label()
+    return label + (f", constrained to a {c.label()}" if c is not None else "")
 
 
 def generation_description(gen, model_config=None) -> dict:
-    return TargetProcessors(gen, model_config, torch.zeros(1, dtype=torch.long)).describe()
+    c = getattr(gen, "constraint", None)
+    out = TargetProcessors(_unconstrained(gen), model_config, torch.zeros(1, dtype=torch.long)).describe()
+    if c is not None:
+        out["constraint"] = c.label()
+    return out
+
+
+def _unconstrained(gen):
+    """`gen` without its constraint: what reports build their processors from (no tokenizer there)."""
+    return dataclasses.replace(gen, constraint=None) if getattr(gen, "constraint", None) is not None else gen
 
 
 # -- kept for callers that only sample with temperature / top-k / top-p ------------------------

@@ -35,7 +35,7 @@ CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temp
                "top_k", "min_p", "repetition_penalty"}
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "n", "user",
                      "metadata", "logprobs", "echo", "suffix", "best_of", "frequency_penalty", "presence_penalty", "logit_bias",
-                     "top_k", "min_p", "repetition_penalty"}
+                     "top_k", "min_p", "repetition_penalty", "response_format"}  # response_format: an extension here
 
 
 class ClientGone(Exception):
@@ -102,6 +102,22 @@ def _settings(body: dict, default: GenerationSettings) -> GenerationSettings:
     return apply_overrides(default, over)
 
 
+def _constrained(body: dict, gen: GenerationSettings, rt) -> GenerationSettings:
+    """`gen` with the request's `response_format` (structured.py): OpenAI's json_schema and
+    json_object, and the extensions regex and grammar; a 400 naming the field for one that
+    does not compile. The grammar is checked against the tokenizer here, in the request's
+    thread, so the engine thread never meets a grammar it cannot run."""
+    from .structured import ConstraintError, from_response_format, ll_tokenizer
+
+    try:
+        c = from_response_format(body["response_format"]) if body.get("response_format") is not None else None
+        if c is not None:
+            ll_tokenizer(rt.tokenizer, rt.model.get_output_embeddings().weight.shape[0])  # built once per process
+    except ConstraintError as e:
+        raise ApiError(str(e), param="response_format") from None
+    return dataclasses.replace(gen, constraint=c) if c is not None else gen
+
+
 @dataclasses.dataclass
 class Parsed:
     ids: list[int]
@@ -165,7 +181,6 @@ def parse_chat(body, rt) -> Parsed:
     _refuse_if(body, "functions", lambda v: bool(v), " (no tool calling)")
     _refuse_if(body, "tool_choice", lambda v: v not in ("none", "auto") or bool(body.get("tools")))
     _refuse_if(body, "function_call", lambda v: v not in ("none", "auto"))
-    _refuse_if(body, "response_format", lambda v: not (isinstance(v, dict) and v.get("type") == "text"), " (no constrained output)")
     _refuse_if(body, "modalities", lambda v: v != ["text"])
     for name in ("audio", "prediction", "reasoning_effort", "web_search_options", "verbosity"):
         _refuse_if(body, name, lambda v: True)
@@ -175,7 +190,7 @@ def parse_chat(body, rt) -> Parsed:
         messages = parse_messages(body["messages"])
     except InputError as e:
         raise ApiError(f"{e.field}: {e.message}", param=e.field) from None
-    gen = _settings(body, rt.gen)
+    gen = _constrained(body, _settings(body, rt.gen), rt)
     check_length("\n".join(m["content"] for m in messages), rt.tokenizer, rt.max_positions, "messages")
     try:
         ids = rt.encode(messages)
@@ -214,7 +229,7 @@ def parse_completion(body, rt) -> Parsed:
         raise ApiError("prompt must be a string, a list of one string, or a list of token ids", param="prompt")
     if not ids:
         raise ApiError("prompt encodes to no tokens", param="prompt")
-    gen = _settings(body, rt.gen)
+    gen = _constrained(body, _settings(body, rt.gen), rt)
     _fits(ids, rt.max_positions, "prompt")
     return Parsed(ids, gen, bool(body.get("stream")), bool((body.get("stream_options") or {}).get("include_usage")), "text")
 

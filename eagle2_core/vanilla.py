@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 
 import torch
+from transformers import LogitsProcessorList
 
 from . import rowgemm
 from .events import GenerationSettings, StepEvent, StopChecker, Summary, collect
@@ -55,6 +56,13 @@ class VanillaDecoder:
             cfg.temperature = cfg.top_k = cfg.top_p = cfg.min_p = None
         if cfg.stop_strings:
             model_kw["tokenizer"] = self.tokenizer
+        if gen.constraint is not None:
+            # the same grammar mask eagle2 applies, as generate's own `logits_processor` (after
+            # its processors, before its warpers: where sampling.build_processors puts it)
+            from .structured import GrammarMask
+
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            model_kw["logits_processor"] = LogitsProcessorList([GrammarMask(gen.constraint, self.tokenizer, vocab, ids.shape[1], eos)])
         if gen.seed is not None:
             torch.manual_seed(gen.seed)
         own = self.model.generation_config

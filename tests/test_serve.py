@@ -189,7 +189,7 @@ def test_a_disconnect_frees_its_row(server):
     ({"messages": MESSAGES[0], "temperature": "hot"}, "temperature"),
     ({"messages": MESSAGES[0], "logprobs": True}, "logprobs"),
     ({"messages": MESSAGES[0], "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"messages": MESSAGES[0], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": MESSAGES[0], "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}}}, "response_format"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": "the sea is blue " * 300}]}, "messages"),
     ({"messages": MESSAGES[0], "max_tokens": -1}, "max_tokens"),
