@@ -98,6 +98,18 @@ class TokenText:
         return got
 
 
+def token_text(tokenizer) -> TokenText:
+    """`tokenizer`'s TokenText, made once per tokenizer (its spellings are cached in it)."""
+    got = getattr(tokenizer, "_eagle2_token_text", None)
+    if got is None:
+        got = TokenText(tokenizer)
+        try:
+            tokenizer._eagle2_token_text = got
+        except AttributeError:
+            pass
+    return got
+
+
 def chat_entry(e: TokenLogprob, text: TokenText) -> dict:
     """One token in chat's shape: `choice.logprobs.content[i]`."""
     token, raw = text(e.token)
