@@ -335,7 +335,7 @@ class LeanBody:
         if b == 1 and cache.start is not None:
             starts = [int(cache.start)]
         elif b > 1 and dtype == torch.float32 and mask.dtype == torch.float32 and mask.dim() == 4 and mask.shape[-1] == cache.view \
-                and not cache.static and cache.cells is not None and cache.cells.dim() == 2 and cache.cells.device.type == "cpu" \
+                and not cache.static and cache.cells is not None and cache.cells.shape == (b, n) and cache.cells.device.type == "cpu" \
                 and cache.layers[0].keys.is_contiguous() and cache.layers[0].values.is_contiguous():
             # Several sequences (live mode): each row's new cells run on from its own length. The
             # native loop attends row by row in key order, so a row's bits are its own whatever
