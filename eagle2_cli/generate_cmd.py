@@ -42,9 +42,13 @@ Examples:
                    "auto: the size that this machine's measured costs say is fastest; 1: one prompt at a time.")
 @click.option("--no-prefix-cache", is_flag=True,
               help="Prefill a conversation's later turns whole instead of continuing the kept cache of its earlier turn.")
+@click.option("--logprobs", type=click.IntRange(0, 20), default=None, metavar="N",
+              help="Record each answer token's log-probability and its N likeliest alternatives (0-20) in a `logprobs` "
+                   "field (chat's logprobs.content shape; one list per turn for multi-turn lines). A line's own "
+                   "logprobs / top_logprobs fields ask for them too.")
 @constraint_options
 @common_options(no_speculation=True)
-def generate(input_path, output_path, overwrite, no_progress, batch_size, no_prefix_cache, constraint, common):
+def generate(input_path, output_path, overwrite, no_progress, batch_size, no_prefix_cache, logprobs, constraint, common):
     """Generate answers for every prompt in a JSONL file.
 
     MT-bench lines run turn by turn: each answer goes into the next turn's prompt.
@@ -88,6 +92,10 @@ def generate(input_path, output_path, overwrite, no_progress, batch_size, no_pre
     rt = common.load(err) if todo else None
     if rt is not None:
         constrain(rt, constraint)
+    if rt is not None and logprobs is not None:
+        import dataclasses
+
+        rt.gen = dataclasses.replace(rt.gen, logprobs=logprobs)
     if rt is not None and not no_prefix_cache:
         from eagle2_core.prefix import PrefixCache
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from . import atomic, rowgemm
 from .events import GenerationSettings, Summary
+from .logprobs import chat_content, token_text
 from .prompts import InputError, PromptItem, SplicedIds, apply_overrides, ident
 from .stats import summary_metrics
 
@@ -218,8 +219,10 @@ def _too_long(runtime, item: PromptItem, ids: list[int], turn: int) -> InputErro
 
 
 def item_record(item: PromptItem, texts: list[str], reasons: list[str], total: Summary, depth: int,
-                turns: list[Summary] | None = None) -> dict[str, Any]:
-    """The output record of a finished item (every turn answered); `turns`, one summary a turn."""
+                turns: list[Summary] | None = None, tokenizer=None) -> dict[str, Any]:
+    """The output record of a finished item (every turn answered); `turns`, one summary a turn.
+    Where the settings asked for logprobs, `logprobs` lists each answer token's entry in chat's
+    shape (`choice.logprobs.content`): one list, or one per turn for a multi-turn item."""
     out = item.echo()
     if item.multi_turn:
         out["turns"] = texts
@@ -235,6 +238,9 @@ def item_record(item: PromptItem, texts: list[str], reasons: list[str], total: S
     if item.multi_turn and turns:  # what each turn prefilled: a later turn restores its earlier turns' tokens
         out["usage"]["turns"] = [{"prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
                                   "completion_tokens": s.new_tokens} for s in turns]
+    if turns and turns[0].logprobs is not None and tokenizer is not None:
+        lists = [chat_content(s.logprobs or [], token_text(tokenizer)) for s in turns]
+        out["logprobs"] = lists if item.multi_turn else lists[0]
     out["metrics"] = summary_metrics(total, depth)
     out["metrics"]["arithmetic"] = rowgemm.arithmetic()  # int8 answers are another model's than exact (float32) ones
     return out
@@ -266,7 +272,7 @@ def run_item(runtime, decoder, item: PromptItem, gen: GenerationSettings, on_tok
         total.merge(summary)
         messages.append({"role": "assistant", "content": text})
         spliced.answered(text, tokens, runtime.tokenizer)
-    return item_record(item, texts, reasons, total, getattr(getattr(decoder, "tree", None), "depth", 0), turns)
+    return item_record(item, texts, reasons, total, getattr(getattr(decoder, "tree", None), "depth", 0), turns, getattr(runtime, "tokenizer", None))
 
 
 def run_batched(runtime, pending: list, writer: "OutputWriter", gen: GenerationSettings, decoder, on_fail=None,
@@ -317,7 +323,7 @@ def run_batched(runtime, pending: list, writer: "OutputWriter", gen: GenerationS
             submit(key, front=True)
             return
         del state[key]
-        rec = item_record(item, st["texts"], st["reasons"], st["total"], decoder.tree.depth, st["turns"])
+        rec = item_record(item, st["texts"], st["reasons"], st["total"], decoder.tree.depth, st["turns"], getattr(runtime, "tokenizer", None))
         writer.write(rec)
         counts["ok"] += 1
         if on_done:

@@ -33,6 +33,7 @@ import torch
 from .accept import accept_greedy_batch, accept_sampling_keyed, position_uniforms
 from .budget import HeadGate, TreePolicy, add_to_tally, new_tally
 from .kvcache import KVCache, num_cache_layers
+from .logprobs import token_logprobs
 from .rowgemm import row_linears
 from .sources import DraftSources, node_depths, pad_trees, tokens_taken
 from .target import TargetRunner, capture_layer_inputs
@@ -59,11 +60,13 @@ class Slot:
     tokens: list = field(default_factory=list)   # emitted tokens (the root of the next cycle is the last)
     summary: object = None
     started: float = 0.0
+    logprobs: int | None = None  # top alternatives per token when each token's log-probability is asked for (None: not)
+    new_logprobs: list | None = None  # the last prefill's or cycle's tokens' logprobs.TokenLogprob, for the engine to take
 
     @property
     def host_side(self) -> bool:
-        """Whether verifying this row needs host-side steps (processors, sampling): never captured."""
-        return self.procs is not None and (self.procs.active or self.procs.sampling)
+        """Whether verifying this row needs host-side steps (processors, sampling, logprobs): never captured."""
+        return self.logprobs is not None or (self.procs is not None and (self.procs.active or self.procs.sampling))
 
 
 @dataclass
@@ -684,14 +687,18 @@ class Cycle:
             logits = self.run.logits(hidden.reshape(b * n, -1)[idx])
             argmax.view(-1)[idx] = (self.sources.argmax_noted(tokens.reshape(-1)[idx], logits) if self.sources_on
                                     else logits.argmax(-1))
-        sampled = {}
+        sampled, kept = {}, {}
         for i, s in enumerate(self.slots):
             if s is None or not s.host_side:
                 continue
             tree = row_tree(tokens, parents, depth, anc, scores, i)
-            nodes = internal[i].nonzero().flatten() if two_pass and not s.procs.sampling else None
+            sampling = s.procs is not None and s.procs.sampling
+            # a row whose logprobs are asked for scores every node: its accepted path's rows are read below
+            nodes = internal[i].nonzero().flatten() if two_pass and not sampling and s.logprobs is None else None
             logits = self._scored(s, hidden[i] if nodes is None else hidden[i, nodes], tree, nodes)
-            if s.procs.sampling:
+            if s.logprobs is not None:
+                kept[i] = logits
+            if sampling:
                 u = position_uniforms(s.seed, len(s.tokens), w)  # the uniforms of this sequence's next output positions
                 sampled[i] = accept_sampling_keyed(tree, torch.softmax(logits.float(), -1), u)
             elif nodes is None:
@@ -711,6 +718,10 @@ class Cycle:
         for i, (p, tok) in sampled.items():
             path[i] = torch.tensor(p + [0] * (w - len(p)), device=dev)
             accepted[i], bonus[i] = len(p) - 1, tok
+        for i, rows in kept.items():  # each emitted token's logprobs from the node whose scores decided it
+            on = path[i, : int(accepted[i]) + 1]
+            emitted = tokens[i, on[1:]].tolist() + [int(bonus[i])]
+            self.slots[i].new_logprobs = token_logprobs(rows[on], emitted, self.slots[i].logprobs)
         bonus.clamp_(min=0)  # idle rows (no slot) got no logits: keep their next root a valid id (never emitted)
         return path, accepted, bonus, feats
 

@@ -24,6 +24,7 @@ from .cycle import Cycle, Slot, bucket
 from .sources import DraftSources
 from .events import GenerationSettings, StepEvent, StopChecker, Summary, collect
 from .kvcache import KVCache, num_cache_layers
+from .logprobs import token_logprobs
 from .measure import load_or_measure
 from .prefix import PrefixCache
 from .target import TargetRunner, model_eos_ids
@@ -49,7 +50,7 @@ def new_slot(key, gen, stop, summary, model=None, prompt=(), eos=()) -> Slot:
                              tokenizer=getattr(stop, "tokenizer", None), vocab_size=vocab)
     # a seeded answer depends on (seed, position) alone; unseeded, a fresh 64-bit seed per sequence
     return Slot(key=key, stop=stop, procs=procs, prompt=list(prompt), seed=generation_seed(gen.seed), summary=summary,
-                started=time.perf_counter())
+                started=time.perf_counter(), logprobs=getattr(gen, "logprobs", None))
 
 
 def pick_fn(slot: Slot):
@@ -58,9 +59,24 @@ def pick_fn(slot: Slot):
         if slot.procs is not None and slot.procs.active:
             logits = slot.procs.scores(logits, torch.tensor([slot.prompt], dtype=torch.long, device=logits.device))
         if slot.procs is None or not slot.procs.sampling:
-            return int(logits.argmax(-1)[0])
-        return first_token(logits[0], slot.seed)
+            token = int(logits.argmax(-1)[0])
+        else:
+            token = first_token(logits[0], slot.seed)
+        if slot.logprobs is not None:
+            slot.new_logprobs = token_logprobs(logits[:1], [token], slot.logprobs)
+        return token
     return pick
+
+
+def take_logprobs(slot: Slot, emitted: list[int]) -> list | None:
+    """The logprobs of the tokens a prefill or cycle emitted (stop handling may cut some), kept
+    for the answer's summary too; None when none were asked for."""
+    got, slot.new_logprobs = slot.new_logprobs, None
+    if slot.logprobs is None:
+        return None
+    got = list(got or ())[: len(emitted)]
+    slot.summary.logprobs.extend(got)
+    return got
 
 
 # -- the engine: one loop over a queue of requests ---------------------------------------------------
@@ -214,7 +230,7 @@ class Engine:
                         req = queue.popleft()
                         eos = set(req.gen.eos_token_ids) if req.gen.eos_token_ids is not None else self.eos_ids
                         stop = StopChecker(req.gen, self.tokenizer, eos, run.max_positions, len(req.ids))
-                        summary = Summary(prompt_tokens=len(req.ids))
+                        summary = Summary(prompt_tokens=len(req.ids), logprobs=[] if req.gen.logprobs is not None else None)
                         slot = new_slot(req.key, req.gen, stop, summary, run.model, req.ids, eos)
                         if stop.done:  # no room at all: nothing to generate
                             summary.finish(stop, 0.0)
@@ -252,7 +268,7 @@ class Engine:
                         emitted = stop.push([root])
                         slot.tokens.extend(emitted)
                         yield req.key, StepEvent(emitted, accepted=0, tree_size=1, draft_s=0.0, verify_s=summary.prefill_s,
-                                                 cached_tokens=reuse), None
+                                                 cached_tokens=reuse, logprobs=take_logprobs(slot, emitted)), None
                         if stop.done:
                             yield finish(b)
                     queue.extendleft(reversed(deferred))
@@ -294,7 +310,7 @@ class Engine:
                         emitted = s.stop.push(toks)
                         s.tokens.extend(emitted)
                         yield s.key, StepEvent(emitted, accepted=accepted, tree_size=n, draft_s=cycle.last["draft_s"],
-                                               verify_s=cycle.last["verify_s"]), None
+                                               verify_s=cycle.last["verify_s"], logprobs=take_logprobs(s, emitted)), None
                         if s.stop.done:
                             yield finish(b)
                 if cycle.speculative:

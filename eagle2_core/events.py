@@ -41,6 +41,9 @@ class GenerationSettings:
     # What the output must match (structured.Constraint: a JSON schema, a regex, a grammar), as
     # one more logits processor on every tree node; None: free text.
     constraint: Any = None
+    # Each emitted token's log-probability, with this many of the likeliest tokens beside it
+    # (0 to logprobs.MAX_TOP); None: none computed (no cost).
+    logprobs: int | None = None
 
 
 @dataclass
@@ -51,6 +54,7 @@ class StepEvent:
     draft_s: float
     verify_s: float
     cached_tokens: int = 0          # the prefill's event only: prompt tokens restored from a kept sequence
+    logprobs: list | None = None    # one logprobs.TokenLogprob per token of token_ids, when asked for
 
 
 @dataclass
@@ -75,6 +79,8 @@ class Summary:
     # Per draft source (sources.py): nodes verified, accepted, and the calibration of its
     # conditionals (children of accepted parents) by bin of the predicted conditional.
     source_counts: dict = field(default_factory=dict)
+    # One logprobs.TokenLogprob per emitted token (the new_tokens), when the settings asked for them.
+    logprobs: list | None = None
 
     def record_source(self, source: str, accepted: bool, predicted: float | None) -> None:
         """One verified node a source proposed; `predicted`: its conditional where its parent was accepted."""

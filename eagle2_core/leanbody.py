@@ -273,7 +273,7 @@ def head_layer(head, x: torch.Tensor, position_embeddings, mask, cache) -> torch
     c = cache.layers[0]
     return loop.layers(x, cos[:, :, None], signed_sine(sin)[:, :, None], mask, [tensors[0]], [qkv_bias] if qkv_bias is not None else [],
                        [tensors[1]], [tensors[2]], [tensors[3]], codes, [], [_NO_NORM], [layer.post_attention_layernorm.weight], _NO_NORM,
-                       layer.post_attention_layernorm.variance_epsilon, [c.keys], [c.values], start, int(cache.view), nh, nkv, hd, a.scaling)
+                       layer.post_attention_layernorm.variance_epsilon, [c.keys], [c.values], [start], int(cache.view), nh, nkv, hd, a.scaling)
 
 
 def signed_sine(sin: torch.Tensor) -> torch.Tensor:
@@ -327,14 +327,27 @@ class LeanBody:
             got = self._packs[key] = (rowgemm.PLAN, rowgemm.EPOCH, (tensors, codes, counts))
         return got[2]
 
-    def _native(self, b, n, mask, cache, layers):
-        """The native loop and the packings, where this forward is one it serves."""
-        if not self.native_ok or b != 1 or layers or isinstance(mask, dict) or getattr(cache, "start", None) is None \
-                or cache.row is not None or not cache.layers[0].is_initialized or torch.is_grad_enabled() \
-                or torch.compiler.is_compiling():
-            return None, None
+    def _native(self, b, n, mask, cache, layers, dtype):
+        """(the native loop, the packings, each sequence's first new cell), where this forward is one it serves."""
+        if not self.native_ok or layers or isinstance(mask, dict) or getattr(cache, "row", 0) is not None \
+                or not cache.layers[0].is_initialized or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return None, None, None
+        if b == 1 and cache.start is not None:
+            starts = [int(cache.start)]
+        elif b > 1 and dtype == torch.float32 and mask.dtype == torch.float32 and mask.dim() == 4 and mask.shape[-1] == cache.view \
+                and not cache.static and cache.cells is not None and cache.cells.shape == (b, n) and cache.cells.device.type == "cpu" \
+                and cache.layers[0].keys.is_contiguous() and cache.layers[0].values.is_contiguous():
+            # Several sequences (live mode): each row's new cells run on from its own length. The
+            # native loop attends row by row in key order, so a row's bits are its own whatever
+            # its batch-mates and its tree, as at batch 1 (the ATen form's SDPA sums by lanes,
+            # which a longer view or a tree's layout regroups).
+            starts = cache.cells[:, 0].tolist()
+            if not torch.equal(cache.cells, cache.cells[:, :1] + torch.arange(n)):
+                return None, None, None
+        else:
+            return None, None, None
         loop = native_loop()
-        return (loop, self._products(b * n)) if loop is not None else (None, None)
+        return (loop, self._products(b * n), starts) if loop is not None else (None, None, None)
 
     def weights(self) -> list[torch.Tensor]:
         """Every weight this body's products read (the fused ones as fused): what the product plan measures and packs."""
@@ -355,13 +368,13 @@ class LeanBody:
         h = body.embed_tokens(tokens)
         cos, sin = body.rotary_emb(h, positions)
         cos, sin = cos[:, :, None], signed_sine(sin)[:, :, None]  # [B, n, 1, hd]: over q's and k's heads alike
-        native, products = self._native(b, n, mask, cache, layers)
+        native, products, starts = self._native(b, n, mask, cache, layers, h.dtype)
         if native is not None:
             (qkv, o, gate_up, down), codes, counts = products
             layer0 = self.layers[0][0]
             return native.layers(h, cos, sin, mask, qkv, self._qkv_bias, o, gate_up, down, codes, counts, *self._norms, body.norm.weight,
                                  layer0.input_layernorm.variance_epsilon, [c.keys for c in cache.layers], [c.values for c in cache.layers],
-                                 int(cache.start), int(cache.view), nh, nkv, hd, layer0.self_attn.scaling)
+                                 starts, int(cache.view), nh, nkv, hd, layer0.self_attn.scaling)
         want = set(layers or ())
         for i, (layer, qkv_w, qkv_b, gate_up) in enumerate(self.layers):
             if i in want:

@@ -9,8 +9,8 @@ Accepted JSON lines (one object per line, blank lines skipped):
 
 Sampling overrides may sit on the line (`max_new_tokens`/`max_tokens`, `temperature`, `top_p`,
 `top_k`, `seed`, `stop`), or in `body` for OpenAI batch lines, and so may a `response_format`
-(structured.py: JSON schema, JSON object, regex, grammar). OpenAI fields that eagle2 cannot apply
-(tools, logprobs, n > 1, ...) are refused, never dropped. A line without an id is named by
+(structured.py: JSON schema, JSON object, regex, grammar), and `logprobs` (OpenAI's chat or
+completions form). OpenAI fields that eagle2 cannot apply (tools, n > 1, ...) are refused, never dropped. A line without an id is named by
 its line number. No terminal code here: errors are `InputError`s carrying file, line and field.
 """
 from __future__ import annotations
@@ -237,8 +237,6 @@ UNSUPPORTED_FIELDS = (
     ("functions", lambda v: bool(v), "no tool calling"),
     ("tool_choice", lambda v: v not in ("none", "auto"), "no tool calling"),
     ("function_call", lambda v: v not in ("none", "auto"), "no tool calling"),
-    ("logprobs", lambda v: v is not False and v != 0, "no logprobs"),
-    ("top_logprobs", lambda v: v != 0, "no logprobs"),
     ("n", lambda v: v != 1, "one answer per prompt"),
     ("best_of", lambda v: v != 1, "one answer per prompt"),
     ("frequency_penalty", lambda v: v != 0, "repetition_penalty is applied instead"),
@@ -252,22 +250,48 @@ UNSUPPORTED_FIELDS = (
 )
 
 
+def parse_logprobs(obj: dict, prefix: str = "", shape: str | None = None) -> dict:
+    """{"logprobs": N} (GenerationSettings.logprobs: each token's log-probability and its N
+    likeliest alternatives) from OpenAI's fields, or {} when none are asked for. Chat's shape
+    (`shape="chat"`) is `logprobs: true` with `top_logprobs: N`; completions' (`"completions"`)
+    is `logprobs: N`; a prompt file's line may use either."""
+    from .logprobs import MAX_TOP
+
+    v, top = obj.get("logprobs"), obj.get("top_logprobs")
+    if top is not None:
+        if shape == "completions":
+            raise InputError("is not a completions field (logprobs: N asks for N alternatives)", field=prefix + "top_logprobs")
+        if not _is_int(top) or not 0 <= top <= MAX_TOP:
+            raise InputError(f"must be an integer from 0 to {MAX_TOP}, not {top!r}", field=prefix + "top_logprobs")
+        if v is not True:
+            raise InputError("needs logprobs: true", field=prefix + "top_logprobs")
+    if v is None or v is False:
+        return {}
+    if v is True and shape != "completions":
+        return {"logprobs": top or 0}
+    if _is_int(v) and shape != "chat" and 0 <= v <= MAX_TOP:
+        return {"logprobs": v}
+    want = {"chat": "true or false", "completions": f"an integer from 0 to {MAX_TOP}"}.get(shape, f"true or false, or an integer from 0 to {MAX_TOP}")
+    raise InputError(f"must be {want}, not {json.dumps(v)[:40]}", field=prefix + "logprobs")
+
+
 def parse_request_fields(obj: dict, prefix: str = "") -> dict:
-    """GenerationSettings fields from a line's OpenAI request fields beyond sampling: the
-    constraint of its `response_format` (structured.py); an InputError for a field eagle2
+    """GenerationSettings fields from a line's OpenAI request fields beyond sampling: logprobs,
+    the constraint of its `response_format` (structured.py); an InputError for a field eagle2
     cannot apply (UNSUPPORTED_FIELDS) or a response_format it cannot compile."""
     for name, asks, why in UNSUPPORTED_FIELDS:
         if name in obj and obj[name] is not None and asks(obj[name]):
             raise InputError(f"{json.dumps(obj[name])[:60]} is not supported by eagle2 ({why})", field=prefix + name)
+    out = parse_logprobs(obj, prefix)
     if obj.get("response_format") is None:
-        return {}
+        return out
     from .structured import ConstraintError, from_response_format
 
     try:
         c = from_response_format(obj["response_format"], prefix + "response_format")
     except ConstraintError as e:
         raise InputError(str(e), field=prefix + "response_format") from None
-    return {} if c is None else {"constraint": c}
+    return out if c is None else {**out, "constraint": c}
 
 
 def _id_of(obj: dict, line: int | None) -> tuple[str, Any]:

@@ -22,7 +22,8 @@ import time
 
 from .chat import IncrementalDetokenizer
 from .events import GenerationSettings, StepEvent
-from .prompts import InputError, apply_overrides, check_text, parse_messages, parse_overrides
+from .logprobs import chat_content, completion_logprobs, token_text
+from .prompts import InputError, apply_overrides, check_text, parse_logprobs, parse_messages, parse_overrides
 from .tools import CallStream, ToolError, parse_tools
 from .worker import EngineWorker, Job, QueueFull
 
@@ -125,6 +126,15 @@ def _constrained(body: dict, gen: GenerationSettings, rt, tools=None) -> Generat
     return dataclasses.replace(gen, constraint=c) if c is not None else gen
 
 
+def _logprobs(body: dict, gen: GenerationSettings, shape: str) -> GenerationSettings:
+    """`gen` asking for the request's logprobs (None: none computed), in chat's or completions' form."""
+    try:
+        got = parse_logprobs(body, shape=shape)
+    except InputError as e:
+        raise ApiError(f"{e.field}: {e.message}", param=e.field) from None
+    return dataclasses.replace(gen, logprobs=got.get("logprobs"))
+
+
 @dataclasses.dataclass
 class Parsed:
     ids: list[int]
@@ -183,8 +193,6 @@ def parse_chat(body, rt) -> Parsed:
     _check_common(body, CHAT_FIELDS)
     if not (rt.chat_template or getattr(rt.tokenizer, "chat_template", None)):
         raise ApiError("this model has no chat template: use /v1/completions (or serve with --chat-template FILE)", param="messages")
-    _refuse_if(body, "logprobs", lambda v: v is not False)
-    _refuse_if(body, "top_logprobs", lambda v: True)
     _refuse_if(body, "functions", lambda v: bool(v), " (the deprecated form: give tools)")
     _refuse_if(body, "function_call", lambda v: v not in ("none", "auto"), " (the deprecated form: give tool_choice)")
     try:
@@ -200,7 +208,7 @@ def parse_chat(body, rt) -> Parsed:
         messages = parse_messages(body["messages"])
     except InputError as e:
         raise ApiError(f"{e.field}: {e.message}", param=e.field) from None
-    gen = _constrained(body, _settings(body, rt.gen), rt, tools)
+    gen = _logprobs(body, _constrained(body, _settings(body, rt.gen), rt, tools), "chat")
     shown = list(tools.specs) if tools is not None else []
     check_length("\n".join([m["content"] for m in messages] + [json.dumps(shown)]), rt.tokenizer, rt.max_positions, "messages")
     try:
@@ -217,7 +225,6 @@ def parse_completion(body, rt) -> Parsed:
     if not isinstance(body, dict):
         raise ApiError("the body must be a JSON object")
     _check_common(body, COMPLETION_FIELDS)
-    _refuse_if(body, "logprobs", lambda v: True)
     _refuse_if(body, "echo", lambda v: v is not False)
     _refuse_if(body, "suffix", lambda v: bool(v))
     _refuse_if(body, "best_of", lambda v: v != 1)
@@ -240,7 +247,7 @@ def parse_completion(body, rt) -> Parsed:
         raise ApiError("prompt must be a string, a list of one string, or a list of token ids", param="prompt")
     if not ids:
         raise ApiError("prompt encodes to no tokens", param="prompt")
-    gen = _constrained(body, _settings(body, rt.gen), rt)
+    gen = _logprobs(body, _constrained(body, _settings(body, rt.gen), rt), "completions")
     _fits(ids, rt.max_positions, "prompt")
     return Parsed(ids, gen, bool(body.get("stream")), bool((body.get("stream_options") or {}).get("include_usage")), "text")
 
@@ -291,6 +298,22 @@ class TextStream:
                 self.text = self.text[:cut]
         out = self.text[self.sent :]
         self.sent = len(self.text)
+        return out
+
+
+class TextOffsets:
+    """Each token's character offset in the completion's text (completions' `text_offset`): the
+    length of the text the tokens before it decode to, counted as the answer streams."""
+
+    def __init__(self, tokenizer):
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.length = 0
+
+    def push(self, token_ids: list[int]) -> list[int]:
+        out = []
+        for t in token_ids:
+            out.append(self.length)
+            self.length += sum(len(piece) for piece, _ in self.detok.push(StepEvent([t], 0, 1, 0.0, 0.0)))
         return out
 
 
@@ -459,15 +482,24 @@ def create_app(rt, engine, *, model_name: str, api_key: str | None = None, cors:
             if message["type"] == "http.disconnect":
                 return
 
-    def chunk(rid: str, kind: str, text: str | None, reason: str | None, role: bool = False, call: dict | None = None) -> dict:
+    def logprobs_of(kind: str, entries, offsets=None):
+        """A choice's `logprobs` in the endpoint's shape for these tokens' entries (None: none asked for)."""
+        if entries is None:
+            return None
+        if kind == "chat":
+            return {"content": chat_content(entries, token_text(rt.tokenizer))}
+        return completion_logprobs(entries, token_text(rt.tokenizer), offsets)
+
+    def chunk(rid: str, kind: str, text: str | None, reason: str | None, role: bool = False, call: dict | None = None,
+              logprobs=None) -> dict:
         if kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
             if call is not None:  # a tool call goes out whole, as the stream's one call delta
                 delta = {"tool_calls": [{"index": 0, **call}]}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model_name,
                     "system_fingerprint": fingerprint, "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
                 "system_fingerprint": fingerprint, "choices": [choice]}
 
@@ -498,6 +530,8 @@ def create_app(rt, engine, *, model_name: str, api_key: str | None = None, cors:
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
         text = TextStream(rt.tokenizer, parsed.gen.stop_strings)
         calls = CallStream(parsed.tools) if parsed.tools is not None and parsed.tools.calls else None
+        asked = parsed.gen.logprobs is not None
+        offsets = TextOffsets(rt.tokenizer) if asked and kind == "text" else None
 
         async def next_event():
             """The job's next event; ("stopped", None) once the server's grace period is over."""
@@ -523,7 +557,12 @@ def create_app(rt, engine, *, model_name: str, api_key: str | None = None, cors:
                         if k == "event":
                             piece = text.push(payload.token_ids)
                             piece = calls.push(piece) if calls is not None else piece
-                            if piece:
+                            if asked and payload.token_ids:
+                                # every token's entry goes out with the chunk of the cycle that made it, even where
+                                # its text is held back (a stop string's possible start, part of a character, a call)
+                                at = offsets.push(payload.token_ids) if offsets is not None else None
+                                yield sse(chunk(rid, kind, piece, None, logprobs=logprobs_of(kind, payload.logprobs, at)))
+                            elif piece:
                                 yield sse(chunk(rid, kind, piece, None))
                             if text.stopped:
                                 worker.cancel(key)  # cut by a stop string here: free the row now
@@ -594,16 +633,18 @@ def create_app(rt, engine, *, model_name: str, api_key: str | None = None, cors:
         text.finish()
         content = text.text  # every piece: nothing of it was sent yet
         reason = finish_reason(summary, text)
+        entries = summary.logprobs if asked else None
+        lp = logprobs_of(kind, entries, offsets.push([e.token for e in entries]) if offsets is not None and entries is not None else None)
         call = parsed.tools.read(content) if parsed.tools is not None else None
         if call is not None:
-            choice = {"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": [call]}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": [call]}, "logprobs": lp,
                       "finish_reason": "tool_calls"}
             obj = "chat.completion"
         elif kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": lp, "finish_reason": reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": content, "logprobs": lp, "finish_reason": reason}
             obj = "text_completion"
         return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
                              "system_fingerprint": fingerprint, "choices": [choice], "usage": usage(summary, len(parsed.ids))})

@@ -160,7 +160,7 @@ def test_the_native_loop_is_the_python_loop(arch, kernel, dtype):
     hidden states and cache, at one row and at a 4-node tree, one sequence in live mode, with every
     kernel forced in turn: bit for bit in bfloat16 (the same ATen ops), to rounding in float32
     (our own loops between the products); it steps aside for what it does not serve (a prefill
-    row, a batch, EAGLE-3 layer capture)."""
+    row, a batch whose cells are not its own, EAGLE-3 layer capture)."""
     from eagle2_core import rowgemm
 
     if not rowgemm._offered(kernel):
@@ -183,7 +183,7 @@ def test_the_native_loop_is_the_python_loop(arch, kernel, dtype):
             cache.row, cache.cells, cache.view = 0, pos[0], 6
             with torch.no_grad():
                 mask = run.masks(lambda w: windowed(causal_rows(pos, 6), pos, pos, w))
-                assert lean._native(1, 6, mask, cache, None) == (None, None)  # a prefill row
+                assert lean._native(1, 6, mask, cache, None, dtype) == (None, None, None)  # a prefill row
                 run.body_forward(ids[None], pos, mask, cache, {}, None)
                 cache.row = None
                 got = []
@@ -195,9 +195,9 @@ def test_the_native_loop_is_the_python_loop(arch, kernel, dtype):
                     q_pos = seq_len[:, None] + depth
                     k_pos = torch.arange(6 + m)[None].scatter(1, cache.cells, q_pos)
                     mask = run.masks(lambda w: windowed(context_and_tree(seq_len, anc, 6 + m), q_pos, k_pos, w))
-                    assert (lean._native(1, m, mask, cache, None)[0] is not None) == native
-                    assert lean._native(2, m, mask, cache, None) == (None, None)
-                    assert lean._native(1, m, mask, cache, (0,)) == (None, None)
+                    assert (lean._native(1, m, mask, cache, None, dtype)[0] is not None) == native
+                    assert lean._native(2, m, mask, cache, None, dtype) == (None, None, None)  # cells of one sequence
+                    assert lean._native(1, m, mask, cache, (0,), dtype) == (None, None, None)
                     got.append(run.body_forward(torch.tensor([[3, 5, 7, 2]])[:, :m], q_pos, mask, cache, {}, None)[0])
                 got.append(torch.stack([layer.keys for layer in cache.layers]))
             outs[native] = got
@@ -246,11 +246,59 @@ def test_a_native_row_gets_the_same_bits_wherever_it_sits_in_the_tree(hidden):
                 q_pos = seq_len[:, None] + depth
                 k_pos = torch.arange(14)[None].scatter(1, cache.cells, q_pos)
                 mask = run.masks(lambda w: windowed(context_and_tree(seq_len, anc, 14), q_pos, k_pos, w))
-                assert run.lean._native(1, m, mask, cache, None)[0] is not None
+                assert run.lean._native(1, m, mask, cache, None, torch.float32)[0] is not None
                 out[name] = run.body_forward(torch.tensor([tokens]), q_pos, mask, cache, {}, None)[0][0]
         rowgemm.prepare(run.lean.weights(), rowgemm.ProductPlan())
     assert torch.equal(out["alone"][0], out["behind a decoy"][0])
     assert torch.equal(out["alone"][1:], out["behind a decoy"][2:])
+
+
+def test_a_sequence_gets_the_same_bits_alone_and_beside_another():
+    """float32, the native loop at batch 2 (live mode): each sequence's tree rows and its cache
+    cells are the bits it gets alone at batch 1, though the two have other lengths (so the view
+    covers the longer one's cells) and other trees."""
+    from eagle2_core import rowgemm
+
+    if leanbody.native_loop() is None:
+        pytest.skip(f"no native loop here: {leanbody.native_status()}")
+    model = make_tiny_lm("qwen2", hidden_size=64)
+    run = TargetRunner(model)
+    seqs = [([1, 4, 2, 8, 5, 7], [3, 5, 7, 2], [-1, 0, 0, 1]), ([9, 3, 6], [2, 8, 4, 1], [-1, 0, 1, 2])]
+
+    def prefill(cache, row, ids):
+        pos = torch.arange(len(ids))[None]
+        cache.row, cache.cells, cache.view = row, pos[0], len(ids)
+        run.body_forward(torch.tensor([ids]), pos, run.masks(lambda w: windowed(causal_rows(pos, len(ids)), pos, pos, w)), cache, {}, None)
+        cache.row = None
+
+    def tree_forward(cache, rows, starts):
+        depth, anc = batch_trees(torch.tensor([p for _, _, p in rows]), 4)
+        seq_len = torch.tensor(starts)
+        view = max(starts) + 4
+        cache.cells, cache.view = seq_len[:, None] + torch.arange(4), view
+        cache.start = starts[0] if len(rows) == 1 else None
+        q_pos = seq_len[:, None] + depth
+        k_pos = torch.arange(view)[None].expand(len(rows), view).scatter(1, cache.cells, q_pos)
+        mask = run.masks(lambda w: windowed(context_and_tree(seq_len, anc, view), q_pos, k_pos, w))
+        assert run.lean._native(len(rows), 4, mask, cache, None, torch.float32)[0] is not None
+        return run.body_forward(torch.tensor([t for _, t, _ in rows]), q_pos, mask, cache, {}, None)[0]
+
+    with rowgemm.using_plan(rowgemm.forced("stream")), torch.no_grad():
+        rowgemm.prepare(run.lean.weights())
+        alone = []
+        for ids, tokens, parents in seqs:
+            cache = KVCache(num_cache_layers(run.config), 1, 32)
+            prefill(cache, 0, ids)
+            hidden = tree_forward(cache, [(ids, tokens, parents)], [len(ids)])[0]
+            alone.append((hidden, cache.layers[0].keys[0, :, : len(ids) + 4].clone()))
+        cache = KVCache(num_cache_layers(run.config), 2, 32)
+        for b, (ids, _, _) in enumerate(seqs):
+            prefill(cache, b, ids)
+        both = tree_forward(cache, seqs, [len(ids) for ids, _, _ in seqs])
+        rowgemm.prepare(run.lean.weights(), rowgemm.ProductPlan())
+    for b, (ids, _, _) in enumerate(seqs):
+        assert torch.equal(both[b], alone[b][0])
+        assert torch.equal(cache.layers[0].keys[b, :, : len(ids) + 4], alone[b][1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -224,7 +224,7 @@ def test_prompt_records_apply_response_format_and_refuse_what_cannot_run():
     for rec, fld in [({"id": 1, "prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}}},
                       "response_format"),
                      ({"id": 1, "prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-                     ({"custom_id": "a", "body": {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}}, "body.logprobs"),
+                     ({"custom_id": "a", "body": {"messages": [{"role": "user", "content": "hi"}], "logprobs": 30}}, "body.logprobs"),
                      ({"custom_id": "a", "body": {"messages": [{"role": "user", "content": "hi"}], "n": 2}}, "body.n")]:
         with pytest.raises(InputError) as e:
             parse_record(rec, line=3)

@@ -273,9 +273,10 @@ static void add_into(float* h, const float* y, int64_t len) {
 
 }  // namespace fused
 
-// Whether the float32 loops above take this forward (else the ATen form below runs).
-static bool fused_fits(const Tensor& h, const Tensor& mask, int64_t view) {
-  return h.scalar_type() == at::kFloat && h.size(0) == 1 && mask.scalar_type() == at::kFloat && mask.dim() == 4 && mask.size(2) == h.size(1) && mask.size(3) == view;
+// Whether the float32 loops above take this forward (else the ATen form below runs, one sequence only).
+static bool fused_fits(const Tensor& h, const Tensor& mask, int64_t view, size_t starts) {
+  return h.scalar_type() == at::kFloat && h.size(0) == static_cast<int64_t>(starts) && mask.scalar_type() == at::kFloat && mask.dim() == 4 &&
+         (mask.size(0) == 1 || mask.size(0) == h.size(0)) && mask.size(2) == h.size(1) && mask.size(3) == view;
 }
 
 static const float* weight_or_null(const Tensor& w) { return w.numel() ? w.data_ptr<float>() : nullptr; }
@@ -285,9 +286,12 @@ static Tensor fused_layers(Tensor h, const Tensor& cos_, const Tensor& sin_, con
                            const std::vector<Tensor>& gate_up, const std::vector<Tensor>& down, const std::vector<int64_t>& kinds,
                            const std::vector<int64_t>& counts,
                            const std::vector<Tensor>& ln1, const std::vector<Tensor>& ln2, const Tensor& norm, double eps,
-                           const std::vector<Tensor>& keys, const std::vector<Tensor>& values, int64_t start, int64_t view,
-                           int64_t nh, int64_t nkv, int64_t hd, double scaling) {
-  const int64_t n = h.size(1), H = h.size(2);
+                           const std::vector<Tensor>& keys, const std::vector<Tensor>& values, const std::vector<int64_t>& starts,
+                           int64_t view, int64_t nh, int64_t nkv, int64_t hd, double scaling) {
+  // B sequences of m rows each: the products take all n = B * m rows at once; rotary, the cache
+  // writes and attention go sequence by sequence, each at its own cells (starts[b] on) of its
+  // own cache row, so a row's bits do not depend on the other sequences
+  const int64_t B = h.size(0), m = h.size(1), n = B * m, H = h.size(2);
   h = h.clone(at::MemoryFormat::Contiguous);  // the residual stream, added into in place (the caller's stays)
   auto cos = cos_.contiguous(), sin = sin_.contiguous();
   // work buffers for the whole forward, kept from one forward to the next (a fresh allocation per
@@ -322,11 +326,15 @@ static Tensor fused_layers(Tensor h, const Tensor& cos_, const Tensor& sin_, con
     fused::rms(hp, weight_or_null(ln1[i]), static_cast<float>(eps), n, H, x.data_ptr<float>());
     parts_into(x, qkv, kq, qi, cq, qkv_bias.empty() ? nullptr : &qkv_bias[i], t);
     qi += cq;
-    const int64_t max_len = keys[i].size(2);
-    fused::rotary_and_store(t.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), n, nh, nkv, hd,
-                            keys[i].data_ptr<float>(), values[i].data_ptr<float>(), max_len, start);
-    fused::attend(t.data_ptr<float>(), keys[i].data_ptr<float>(), values[i].data_ptr<float>(), mp, mask.stride(2),
-                  mask.stride(3), n, nh, nkv, hd, max_len, view, static_cast<float>(scaling), a.data_ptr<float>());
+    const int64_t max_len = keys[i].size(2), ks = keys[i].stride(0), vs = values[i].stride(0);
+    const int64_t ms = mask.size(0) == 1 ? 0 : mask.stride(0);
+    for (int64_t b = 0; b < B; ++b) {
+      float* tb = t.data_ptr<float>() + b * m * T;
+      fused::rotary_and_store(tb, cos.data_ptr<float>() + b * m * hd, sin.data_ptr<float>() + b * m * hd, m, nh, nkv, hd,
+                              keys[i].data_ptr<float>() + b * ks, values[i].data_ptr<float>() + b * vs, max_len, starts[b]);
+      fused::attend(tb, keys[i].data_ptr<float>() + b * ks, values[i].data_ptr<float>() + b * vs, mp + b * ms, mask.stride(2),
+                    mask.stride(3), m, nh, nkv, hd, max_len, view, static_cast<float>(scaling), a.data_ptr<float>() + b * m * nh * hd);
+    }
     fused::add_into(hp, parts_into(a, o, ko, oi, co, nullptr, y).data_ptr<float>(), n * H);
     oi += co;
     fused::rms(hp, weight_or_null(ln2[i]), static_cast<float>(eps), n, H, x.data_ptr<float>());
@@ -347,11 +355,13 @@ Tensor layers(Tensor h, const Tensor& cos, const Tensor& sin, const Tensor& mask
               const std::vector<Tensor>& gate_up, const std::vector<Tensor>& down, const std::vector<int64_t>& kinds,
               const std::vector<int64_t>& counts,
               const std::vector<Tensor>& ln1, const std::vector<Tensor>& ln2, const Tensor& norm, double eps,
-              const std::vector<Tensor>& keys, const std::vector<Tensor>& values, int64_t start, int64_t view,
-              int64_t nh, int64_t nkv, int64_t hd, double scaling) {
-  if (fused_fits(h, mask, view) && keys[0].is_contiguous() && values[0].is_contiguous())
-    return fused_layers(h, cos, sin, mask, qkv, qkv_bias, o, gate_up, down, kinds, counts, ln1, ln2, norm, eps, keys, values, start,
+              const std::vector<Tensor>& keys, const std::vector<Tensor>& values, const std::vector<int64_t>& starts,
+              int64_t view, int64_t nh, int64_t nkv, int64_t hd, double scaling) {
+  if (fused_fits(h, mask, view, starts.size()) && keys[0].is_contiguous() && values[0].is_contiguous())
+    return fused_layers(h, cos, sin, mask, qkv, qkv_bias, o, gate_up, down, kinds, counts, ln1, ln2, norm, eps, keys, values, starts,
                         view, nh, nkv, hd, scaling);
+  TORCH_CHECK(starts.size() == 1 && h.size(0) == 1, "the ATen form of the layer loop takes one sequence");
+  const int64_t start = starts[0];
   const int64_t b = h.size(0), n = h.size(1), H = h.size(2);
   std::vector<int64_t> kq, ko, kg, kd;
   size_t ki = 0;
