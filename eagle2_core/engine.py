@@ -50,7 +50,7 @@ def new_slot(key, gen, stop, summary, model=None, prompt=(), eos=()) -> Slot:
                              tokenizer=getattr(stop, "tokenizer", None), vocab_size=vocab)
     # a seeded answer depends on (seed, position) alone; unseeded, a fresh 64-bit seed per sequence
     return Slot(key=key, stop=stop, procs=procs, prompt=list(prompt), seed=generation_seed(gen.seed), summary=summary,
-                started=time.perf_counter(), logprobs=getattr(gen, "logprobs", None))
+                started=time.perf_counter(), logprobs=gen.logprobs)
 
 
 def pick_fn(slot: Slot):
