@@ -13,7 +13,6 @@ processed scores of the verify row that decided it.
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import json
@@ -184,31 +183,9 @@ def test_prompt_file_fields_and_records_one_list_per_turn(setup):
 # -- the server's shapes ------------------------------------------------------------------------
 
 def asgi_post(app, path: str, body: dict) -> tuple[int, bytes]:
-    """One POST through the ASGI app, no network: (status, the whole body as sent)."""
-    raw = json.dumps(body).encode()
-    sent, out = [False], {"status": 0, "body": b""}
+    from asgi_client import post
 
-    async def receive():
-        if not sent[0]:
-            sent[0] = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        await asyncio.sleep(3600)  # the client stays connected
-
-    async def send(message):
-        if message["type"] == "http.response.start":
-            out["status"] = message["status"]
-        elif message["type"] == "http.response.body":
-            out["body"] += message.get("body", b"")
-
-    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json")], "scheme": "http", "server": ("test", 80), "client": ("test", 1),
-             "http_version": "1.1"}
-    loop = _LOOPS.setdefault(id(app), asyncio.new_event_loop())  # one loop per app, as a server has
-    loop.run_until_complete(app(scope, receive, send))
-    return out["status"], out["body"]
-
-
-_LOOPS: dict = {}
+    return post(app, path, body)
 
 
 def sse(body: bytes) -> list[dict]:

@@ -15,7 +15,6 @@ lm_head rows than the tokenizer has ids, and a head fitted to it:
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import json
@@ -232,32 +231,10 @@ def test_prompt_records_apply_response_format_and_refuse_what_cannot_run():
 
 
 def asgi_post(app, path: str, body: dict) -> tuple[int, dict]:
-    """One POST through the ASGI app, no network (the server's handlers, routing and JSON)."""
-    raw = json.dumps(body).encode()
-    sent, out = [False], {"status": 0, "body": b""}
+    from asgi_client import post
 
-    async def receive():
-        if not sent[0]:
-            sent[0] = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        await asyncio.sleep(3600)  # the client stays connected
-
-    async def send(message):
-        if message["type"] == "http.response.start":
-            out["status"] = message["status"]
-        elif message["type"] == "http.response.body":
-            out["body"] += message.get("body", b"")
-
-    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json")], "scheme": "http", "server": ("test", 80), "client": ("test", 1),
-             "http_version": "1.1"}
-    # one event loop for every request to an app, as a server has (its shutdown event binds to it)
-    loop = _LOOPS.setdefault(id(app), asyncio.new_event_loop())
-    loop.run_until_complete(app(scope, receive, send))
-    return out["status"], json.loads(out["body"])
-
-
-_LOOPS: dict = {}
+    status, raw = post(app, path, body)
+    return status, json.loads(raw)
 
 
 def test_serve_response_format_round_trip(setup):

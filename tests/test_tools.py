@@ -14,7 +14,6 @@ On a tiny random Llama over a real byte-level BPE tokenizer (tests/conftest.py) 
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import json
 
@@ -204,32 +203,10 @@ def test_bad_tool_turns_name_their_field(msgs, field):
 
 # -- the server ----------------------------------------------------------------------------------
 def asgi_post(app, body: dict) -> tuple[int, bytes]:
-    """One POST to /v1/chat/completions through the ASGI app, no network; the raw body back."""
-    raw = json.dumps(body).encode()
-    sent, out = [False], {"status": 0, "body": b""}
+    """One POST to /v1/chat/completions; the raw body back."""
+    from asgi_client import post
 
-    async def receive():
-        if not sent[0]:
-            sent[0] = True
-            return {"type": "http.request", "body": raw, "more_body": False}
-        await asyncio.sleep(3600)  # the client stays connected
-
-    async def send(message):
-        if message["type"] == "http.response.start":
-            out["status"] = message["status"]
-        elif message["type"] == "http.response.body":
-            out["body"] += message.get("body", b"")
-
-    path = "/v1/chat/completions"
-    scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json")], "scheme": "http", "server": ("test", 80), "client": ("test", 1),
-             "http_version": "1.1"}
-    loop = _LOOPS.setdefault(id(app), asyncio.new_event_loop())  # one loop per app, as a server has
-    loop.run_until_complete(app(scope, receive, send))
-    return out["status"], out["body"]
-
-
-_LOOPS: dict = {}
+    return post(app, "/v1/chat/completions", body)
 
 
 @pytest.fixture(scope="module")
