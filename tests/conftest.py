@@ -31,6 +31,14 @@ TINY_CORPUS = [
 ]
 
 
+def tiny_chat_target(tiny_lm, fitted_head, folder: str, max_positions: int = 160, extra_rows: int = 0):
+    """(model, fitted head, chat tokenizer, end-of-turn id): a tiny Llama chatting through a real
+    template, for the server and constraint tests; `extra_rows` lm_head rows past the tokenizer."""
+    tok = build_tiny_tokenizer(folder)
+    model = tiny_lm("llama", vocab_size=len(tok) + extra_rows, max_position_embeddings=max_positions, hidden_size=32)
+    return model, fitted_head(model, steps=60), tok, tok.convert_tokens_to_ids("<|im_end|>")
+
+
 def build_tiny_tokenizer(folder: str, vocab_size: int = 320):
     """A byte-level BPE tokenizer trained in-process on a few sentences, with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -84,13 +84,9 @@ def test_speculative_logprobs_are_plain_logprobs_bitwise_at_batch_1_and_3(int8_t
 
 @pytest.fixture(scope="module")
 def setup(tiny_lm, fitted_head, tmp_path_factory):
-    from conftest import build_tiny_tokenizer
+    from conftest import tiny_chat_target
 
-    tok = build_tiny_tokenizer(str(tmp_path_factory.mktemp("logprobs_tok")))
-    model = tiny_lm("llama", vocab_size=len(tok), max_position_embeddings=160, hidden_size=32)
-    head = fitted_head(model, steps=60)
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    return model, head, tok, eos
+    return tiny_chat_target(tiny_lm, fitted_head, str(tmp_path_factory.mktemp("logprobs_tok")))
 
 
 @pytest.mark.parametrize("kw", [dict(repetition_penalty=1.3), dict(temperature=0.7, top_k=3, seed=3)], ids=["greedy", "sampling"])

@@ -52,13 +52,9 @@ PROMPTS = ["The quick brown fox", "Hello! How are you today?", "1 2 3 4 5", "def
 
 @pytest.fixture(scope="module")
 def setup(tiny_lm, fitted_head, tmp_path_factory):
-    from conftest import build_tiny_tokenizer
+    from conftest import tiny_chat_target
 
-    tok = build_tiny_tokenizer(str(tmp_path_factory.mktemp("structured_tok")))
-    model = tiny_lm("llama", vocab_size=len(tok) + EXTRA_ROWS, max_position_embeddings=160, hidden_size=32)
-    head = fitted_head(model, steps=60)
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    return model, head, tok, eos
+    return tiny_chat_target(tiny_lm, fitted_head, str(tmp_path_factory.mktemp("structured_tok")), extra_rows=EXTRA_ROWS)
 
 
 def gen_for(setup, name, **kw) -> GenerationSettings:

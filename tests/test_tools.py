@@ -50,13 +50,9 @@ TOOL_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def setup(tiny_lm, fitted_head, tmp_path_factory):
-    from conftest import build_tiny_tokenizer
+    from conftest import tiny_chat_target
 
-    tok = build_tiny_tokenizer(str(tmp_path_factory.mktemp("tools_tok")))
-    model = tiny_lm("llama", vocab_size=len(tok), max_position_embeddings=1024, hidden_size=32)
-    head = fitted_head(model, steps=60)
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    return model, head, tok, eos
+    return tiny_chat_target(tiny_lm, fitted_head, str(tmp_path_factory.mktemp("tools_tok")), max_positions=1024)
 
 
 def run(eng: Engine, reqs) -> dict:
