@@ -12,7 +12,7 @@ turns (the first turn's greedy answer in the context, made here by `eagle2 gener
     python3 benchmarks/sources_bench.py                       # SmolLM2 with its head, 96 tokens
     python3 benchmarks/sources_bench.py --model q.gguf --tokens 128 --sets humaneval,mt16
     python3 benchmarks/sources_bench.py --repeats 2           # interleaved repeats: the spread of each ratio
-    python3 benchmarks/sources_bench.py --also no-gate        # and the head drafting every cycle (budget.HeadGate off)
+    python3 benchmarks/sources_bench.py --also tree:6/3/2    # and more compare methods beside them
 
 Writes one compare JSON per set and repeat under --out, and prints a markdown table of the speedup
 over plain decoding, tau, and each source's share of the output, with the machine's CPU named.

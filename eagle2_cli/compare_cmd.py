@@ -45,8 +45,8 @@ def _against(ctx, param, value):
 
 
 def calibration_line(comp) -> str | None:
-    """The draft's calibration (EAGLE-2 section 3) in one line, and what the per-cycle budget does about it."""
-    from eagle2_core.budget import BADLY_CALIBRATED
+    """The draft's calibration (EAGLE-2 section 3) in one line, and what the drafting policy does about it."""
+    from eagle2_core.policy import BADLY_CALIBRATED
 
     main = "eagle2" if "eagle2" in comp.runs else next(iter(comp.runs))
     run = comp.runs[main]
@@ -56,7 +56,7 @@ def calibration_line(comp) -> str | None:
     n, a, c = run.total.confidence_counts.double().sum(1).tolist()
     verdict = (f"badly calibrated (gap > {BADLY_CALIBRATED}): {'under' if a > c else 'over'}-confident"
                if gap > BADLY_CALIBRATED else f"well calibrated (gap <= {BADLY_CALIBRATED})")
-    fix = "; the per-cycle budget corrects by each confidence bin's measured acceptance" if gap > BADLY_CALIBRATED else ""
+    fix = "; the drafting policy corrects by each confidence bin's measured acceptance" if gap > BADLY_CALIBRATED else ""
     return f"calibration: mean draft confidence {c / n:.3f}, acceptance {a / n:.3f}, gap {gap:.3f}, {verdict}{fix}"
 
 
@@ -104,7 +104,7 @@ def divergence_text(d, decode, reference: str = "vanilla") -> str:
                    "graph and compiled (EAGLE-2 in graph mode: fixed shapes, uncaptured and captured), "
                    "generate-compiled (HF generate with a static cache and torch.compile), "
                    "batch:auto, batch:B or batch:BxN (eagle2 batched at B sequences, trees of N; N=1: plain), "
-                   "sources:A+B (only those draft sources), no-gate (the head drafting every cycle beside the head-free sources).")
+                   "sources:A+B (only those draft sources).")
 @click.option("--plain/--no-plain", "plain", default=None,
               help="Also run eagle2's own plain decoding (no draft, same kernels), so the speedup splits into kernels alone "
                    "(plain over generate) and speculation alone (eagle2 over plain). Default: on where the model runs on a CPU.")
@@ -180,7 +180,7 @@ def compare(vanilla, input_path, dataset, limit, against, plain, assistant, json
     t = rt.tree
     settings = {**rt.describe(), "source": source}
     if any(getattr(d, "tree", None) is not None and d.tree.budget == "auto" for d, _ in methods.values()):
-        settings["cost_profile"] = rt.cost_profile().to_json()  # what the per-cycle budget chose from
+        settings["cost_profile"] = rt.cost_profile().to_json()  # what the drafting policy chose from
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 

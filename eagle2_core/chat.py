@@ -36,7 +36,7 @@ def _key(k: str) -> str:
 def apply_setting(gen: GenerationSettings, tree: TreeSettings, assignment: str, auto_max: int = 16,
                   auto_tree: TreeSettings | None = None) -> tuple[GenerationSettings, TreeSettings, str]:
     """Parse `key=value` and return updated copies plus the canonical key; ValueError with a clear message.
-    `total_tokens=auto` turns on the per-cycle budget (budget.py) with up to `auto_max` nodes, with
+    `total_tokens=auto` turns on the per-cycle budget (policy.py) with up to `auto_max` nodes, with
     the depth and expansion width of `auto_tree` (the settings `--total-tokens auto` would run:
     measured on a CPU, runtime.Runtime.load) where given."""
     if "=" not in assignment:

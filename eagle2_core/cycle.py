@@ -10,8 +10,9 @@ commit the accepted KV in place (kvcache.py). N = 1 (the root alone) is plain de
 the same cycle. Which sequence a row holds, and when, is the engine's (engine.py).
 
 Two modes of the one cycle:
-  * live (the CPU default): the per-cycle budget (budget.py, through its `TreePolicy`) chooses
-    each cycle's tree size and depth from the draft's confidence and the measured costs;
+  * live (the CPU default): the drafting policy (policy.py) chooses each cycle's arm (plain,
+    the head-free sources' tree, or the head with them), the head's depth and the tree's size
+    from the draft's confidence and the measured costs;
     attention spans the longest live row; lm_head runs on internal rows first where the measured
     costs say it pays; host reads allowed.
   * fixed (the CUDA default): fixed tree size and absorb width, state on the device, capacity in
@@ -31,11 +32,11 @@ import numpy as np
 import torch
 
 from .accept import accept_greedy_batch, accept_sampling_keyed, position_uniforms
-from .budget import HeadGate, TreePolicy, add_to_tally, new_tally
 from .kvcache import KVCache, num_cache_layers
 from .logprobs import token_logprobs
+from .policy import Acceptance, Outcome, Plan
 from .rowgemm import row_linears
-from .sources import DraftSources, node_depths, pad_trees, tokens_taken
+from .sources import DraftSources, pad_trees, tokens_taken
 from .target import TargetRunner, capture_layer_inputs
 from .tree import (additive, batch_trees, causal_rows, chain_choices, choices_to_levels, context_and_tree, rerank_batch, row_tree,
                    static_choices, windowed)
@@ -123,9 +124,9 @@ class Cycle:
                  backend: str | None = None, sources: DraftSources | None = None):
         self.run, self.head, self.tree, self.batch, self.fixed = run, head, tree, batch, fixed
         self.k, self.depth = max(1, tree.top_k), max(1, tree.depth)
-        # the head-free draft sources (sources.py) run on the host: live mode's dynamic trees only
-        self.sources = sources if sources is not None and sources.head_free and not fixed and tree.shape == "dynamic" else None
-        self.sources_on = self.sources is not None  # False while a run decodes plain (stop_drafting)
+        # the merge of draft sources (sources.py) runs on the host: live mode's dynamic trees only
+        self.sources = sources if sources is not None and not fixed and tree.shape == "dynamic" else None
+        free = self.sources is not None and self.sources.head_free
         if head is None:
             self.n_max = 1
         elif tree.shape == "dynamic":
@@ -134,11 +135,11 @@ class Cycle:
             choices = chain_choices(self.depth) if tree.shape == "chain" else static_choices(tree.total_tokens, self.depth, self.k)
             self.levels = choices_to_levels(choices)
             self.n_max = len(choices) + 1
-        if self.sources is not None:  # head-free nodes fill the tree up to its size, past the head's pool
+        if free:  # head-free nodes fill the tree up to its size, past the head's pool
             self.n_max = max(self.n_max, tree.total_tokens)
         self.speculative = head is not None and self.n_max > 1   # the head drafts (else: sources alone, or plain)
         # accepted path, root first: the absorb and commit width (a copied chain may run deeper than the head)
-        self.width = max(self.depth, self.sources.max_depth if self.sources is not None else 0) + 1 if self.n_max > 1 else 1
+        self.width = max(self.depth, self.sources.max_depth if free else 0) + 1 if self.n_max > 1 else 1
         self.margin = max(self.n_max, self.depth * self.k) + self.width + 8  # room past a sequence's end for one tree
         self.capacity = self._capacity(capacity)
         self.cache = KVCache(num_cache_layers(run.model.config), batch, self.capacity, static=fixed)
@@ -147,30 +148,21 @@ class Cycle:
         self.state = RowState.empty(batch, self.width, run.device)
         self.slots: list[Slot | None] = [None] * batch
         self.host_len = [0] * batch  # mirrors of seq_len from the read-back, for the live view
-        self.policy: TreePolicy | None = None  # live mode's per-cycle budget (set by the engine)
+        self.policy = None        # live mode's policy.Policy (set by the engine); None: every cycle drafts its whole tree
+        self.acceptance = Acceptance()  # the merge's estimates where no policy runs
         self.one_product = True   # lm_head over every tree row at once (else internal rows first)
         self.record_confidence = False
         self.counter = None       # opcount.OpCounter while counting
         self.absorb = 1           # live mode: the widest row of new pairs (accepted + 1, from the read-back)
-        self.merge_s = 0.0        # the last merge's host time (sources.py), not a head step
-        # host time after the last cycle's read-back (the sources' and the budget's bookkeeping of
-        # what was verified): charged to the next cycle's drafting, so that the budget's
-        # `drafting_pays` compares a drafting cycle's whole cost with a plain one's
+        # host time after the last cycle's read-back (the sources' and the policy's bookkeeping of
+        # what was verified): charged to the next cycle, so every arm's cost is its whole cost
         self.tail_s = 0.0
-        # merged cycles' evidence of what the head adds (budget.BudgetChooser.head_pays) where no
-        # gate decides per cycle (batched or fixed runs), kept across runs at half weight (new_tally)
-        self.head_tally = new_tally()
-        # while the head is stopped (stop_drafting) in live mode at batch 1: the pairs (f_t, x_{t+1})
-        # it has not absorbed, one ([1, k] tokens, [1, k, F] features) per cycle, so that
-        # `resume_head` catches it up in one forward over them (a prefill of the head) rather than
-        # the head absorbing every cycle while it does not draft. None: nothing kept.
+        self.steps = 0            # head steps of the current draft: the absorb, then one per depth fed
+        # while the head skips cycles at batch 1: the pairs (f_t, x_{t+1}) it has not absorbed, one
+        # ([1, k] tokens, [1, k, F] features) per cycle, so that its next draft catches up in one
+        # forward over them (a prefill of the head) rather than absorbing every cycle it does not
+        # draft. None: nothing kept. (At batch > 1 a skipping head absorbs each cycle: `_skip_head`.)
         self.paused: list | None = None
-        # live mode at batch 1 beside head-free sources: whether the head drafts each cycle, from
-        # what those sources offer first (budget.HeadGate; set by the engine). `gated`: the head
-        # skipped the last cycle (its pairs wait in `paused`), so this one asks the gate again.
-        self.gate: HeadGate | None = None
-        self.gated = False
-        self.gate_s = 0.0
         self.last: dict = {}
         self.seen: dict = {}
         self.backend = backend if fixed else None
@@ -204,73 +196,58 @@ class Cycle:
         return sum(s is not None for s in self.slots)
 
     def reset(self) -> None:
-        """A new run: every row free, drafting on again (a run may have gone plain: `stop_drafting`)."""
+        """A new run: every row free, drafting on again (a skipping head kept nothing across runs)."""
         st = self.state
         self.slots = [None] * self.batch
         st.active.zero_()
         st.seq_len.zero_()
         self.host_len = [0] * self.batch  # idle rows keep their lengths (their cells stay inside the view)
         self.speculative = self.hcache is not None
-        self.sources_on = self.sources is not None
-        self.paused, self.gated = None, False
+        self.paused = None
         self.absorb = 1  # a head resumed at the last cycle of a run had as many pairs to absorb as it missed
         if st.new_tokens.shape[1] != self.width:  # a run that went plain left one-token rows
             st.new_tokens = torch.zeros(self.batch, self.width, dtype=torch.long, device=self.run.device)
 
     @property
     def drafting(self) -> bool:
-        """Whether trees have more than the root: the head drafts, or head-free sources do."""
-        return self.speculative or self.sources_on
+        """Whether trees may have more than the root: a head, or head-free sources."""
+        return self.speculative or (self.sources is not None and self.sources.head_free)
 
-    def stop_drafting(self, head_only: bool = True, resumable: bool = True) -> None:
-        """No head drafting until `resume_head` (live mode at batch 1, unless not `resumable`; elsewhere
-        for the rest of the run): it was measured not to pay. Head-free sources cost no draft step
-        and go on; the per-cycle budget still verifies only what pays. With `head_only` False, no
-        drafting at all (plain cycles) until `resume_sources`: the run's drafted cycles, their
-        bookkeeping included, gave fewer tokens per ms than plain ones."""
-        if self.speculative and self.can_pause and resumable:
-            st = self.state
-            n = int(st.n_new[0])  # this cycle's pending pairs: the first the paused head owes
-            self.paused = [(st.new_tokens[:, :n].clone(), st.new_features[:, :n].clone())]
-        self.speculative, self.gated = False, False
-        if not head_only:
-            self.sources_on = False
+    def _skip_head(self) -> None:
+        """The head does not draft this cycle. At batch 1 its pending pairs wait in `paused` (the
+        next draft absorbs every cycle's at once); at batch > 1, where rows come and go, it absorbs
+        them now, which its arm's measured overhead then includes."""
+        if not self.speculative or self.state.new_features is None:
+            return
+        st = self.state
+        if self.batch == 1:
+            if self.paused is None:
+                n = int(st.n_new[0])  # this cycle's pending pairs: the first the skipping head owes
+                self.paused = [(st.new_tokens[:, :n].clone(), st.new_features[:, :n].clone())]
+            return
+        w = self.absorb
+        self._absorb(st.new_tokens[:, :w], st.new_features[:, :w], st.head_len, 0)
+        st.head_len = torch.where(st.active, st.head_len + st.n_new, st.head_len)  # the commit sets the next pending pairs
 
-    @property
-    def can_pause(self) -> bool:
-        """Whether a stopped head can be resumed later in the run: live mode at batch 1, where the
-        pairs it misses are kept (`paused`); elsewhere a stop lasts the run."""
-        return not self.fixed and self.batch == 1 and self.hcache is not None and self.state.new_features is not None
-
-    def resume_head(self) -> bool:
-        """The head drafts again after `stop_drafting`: its next draft first absorbs every pair of
-        the cycles it missed, in one forward. Whether anything changed."""
-        if self.paused is None or self.speculative:
-            return False
+    def _unpause(self) -> None:
+        """A head that skipped cycles drafts again: its next draft first absorbs every pair of
+        the cycles it missed, in one forward."""
+        if self.paused is None:
+            return
         st = self.state
         st.new_tokens = torch.cat([t for t, _ in self.paused], 1)
         st.new_features = torch.cat([f for _, f in self.paused], 1)
         st.n_new = torch.full_like(st.n_new, st.new_tokens.shape[1])
         self.absorb = st.new_tokens.shape[1]
         self.paused = None
-        self.speculative = True
-        return True
-
-    @property
-    def gating(self) -> bool:
-        """Whether the head's drafting is decided cycle by cycle (`HeadGate`): live mode at batch 1
-        beside head-free sources, where the pairs of a skipped cycle are kept (`can_pause`)."""
-        return self.gate is not None and self.sources is not None and self.can_pause
 
     def catch_up_head(self) -> None:
         """A paused head absorbs the pairs it missed, all but the last (which stays pending, as
         after any cycle), so a kept sequence (prefix.Kept) holds every head cell: a chat's next
-        turn then reuses them instead of prefilling the answer again. A head the engine stopped
-        (not the gate's skip) stays stopped, resumable."""
-        stopped = not self.gated
-        self.gated = False
-        if not self.resume_head():
+        turn then reuses them instead of prefilling the answer again."""
+        if self.paused is None:
             return
+        self._unpause()
         st = self.state
         w = st.new_tokens.shape[1]
         if w > 1:
@@ -279,16 +256,6 @@ class Cycle:
         st.new_tokens, st.new_features = st.new_tokens[:, w - 1 :].contiguous(), st.new_features[:, w - 1 :].contiguous()
         st.n_new = torch.ones_like(st.n_new)
         self.absorb = 1
-        if stopped:
-            self.paused, self.speculative = [(st.new_tokens.clone(), st.new_features.clone())], False
-
-    def resume_sources(self) -> bool:
-        """Head-free drafting on again after `stop_drafting(head_only=False)` (a new request joined
-        the run: its text may copy where the last did not). Whether anything changed."""
-        if self.sources is None or self.sources_on:
-            return False
-        self.sources_on = True
-        return True
 
     def ensure_capacity(self, need: int) -> None:
         """Room for `need` cells per row and one tree past them. Live mode doubles: growing by
@@ -369,10 +336,7 @@ class Cycle:
             st.new_features[b, 0] = feats[-1]
             st.head_len[b], st.n_new[b] = n - 1, 1
             if self.batch == 1:
-                self.absorb = 1  # the row's only pair (not what a resumed head left pending for the last sequence)
-        elif self.hcache is not None:  # drafting stopped: this row's head cache holds nothing of its sequence
-            self.paused = None  # nor can it catch up: the kept pairs are another sequence's
-            st.head_len[b] = 0
+                self.absorb, self.paused = 1, None  # the row's only pair (what a skipping head kept was the last sequence's)
         st.seq_len[b], st.root[b], st.active[b] = n, root, True
         self.host_len[b] = n
         self.slots[b] = slot
@@ -395,8 +359,7 @@ class Cycle:
         had absorbed by then (admit zeroes a row's head length when it does not absorb)."""
         from .prefix import Kept
 
-        if self.paused is not None and self.batch == 1:
-            self.catch_up_head()
+        self.catch_up_head()
         length = min(self.host_len[b], len(ids))
         head, head_len = None, 0
         if self.hcache is not None and self.hcache.layers[0].is_initialized:
@@ -417,8 +380,8 @@ class Cycle:
     def release(self, b: int) -> Slot:
         slot, self.slots[b] = self.slots[b], None
         self.state.active[b] = False
-        if self.gated:  # a skipped cycle's pause ends with its sequence: the next one drafts with the head
-            self.paused, self.gated, self.speculative = None, False, True
+        if self.batch == 1:  # a skipping head's pairs end with their sequence
+            self.paused = None
         if self.sources is not None:
             self.sources.forget(self.slots)
         return slot
@@ -464,8 +427,8 @@ class Cycle:
         ctx = head_len + n_new                  # the head's context after the absorb = the root's position
         head_len = torch.where(active, ctx, head_len)
         logp = torch.log_softmax(head.draft_logits(hid).float(), dim=-1)
-        if self.policy is not None:
-            self.policy.begin(active, self.busy == b)
+        if self.policy is not None:  # host bookkeeping: live mode only, never inside a capture
+            self.steps = 1
         grow = self._grow_dynamic if self.tree.shape == "dynamic" else self._grow_static
         return grow(hid, logp, ctx, view, root) + (head_len,)
 
@@ -489,13 +452,14 @@ class Cycle:
         self.hcache.cells, self.hcache.view = ctx[:, None] + torch.arange(fed - m, fed, device=tokens.device), view
         bias = additive(context_and_tree(ctx, visible, view), self.head.fc.weight.dtype)
         out = self.head(tokens, front_h, (ctx + d)[:, None].expand(b, m), attention_mask=bias, cache=self.hcache)
-        if self.policy is not None:  # host bookkeeping: live mode only, never inside a capture
-            self.policy.fed()
+        if self.policy is not None:
+            self.steps += 1
         return out, torch.log_softmax(self.head.draft_logits(out).float(), dim=-1)
 
     def _grow_dynamic(self, hid, logp, ctx, view, root):
         """EAGLE-2's dynamic tree: expand the top-k nodes by path score at each depth (section 4.1),
-        then rerank every drafted node by path score and keep the best N - 1 (section 4.2)."""
+        then rerank every drafted node by path score and keep the best N - 1 (section 4.2). In
+        live mode the policy chooses the depth (whether another step pays) and the size."""
         head, dev, policy = self.head, hid.device, self.policy
         b = hid.shape[0]
         k = min(self.k, logp.shape[-1])  # top_k may exceed a tiny (or pruned draft) vocabulary
@@ -507,20 +471,26 @@ class Cycle:
         front_h = hid[:, None].expand(b, k, hid.shape[-1])
         eye = torch.eye(k, dtype=torch.bool, device=dev).expand(b, k, k)
         visible, size = eye, k
-        if policy is not None:
-            policy.first_level(scores)
+        if policy is not None:  # the busy rows' calibrated path probabilities, on the host
+            busy = [i for i, s in enumerate(self.slots) if s is not None]
+            front_c = self.acceptance_of().conditionals("head", 1, scores[busy].exp().double().cpu().numpy())
+            policy.note_children(front_c.max(-1), np.ones(len(busy)))
+            pool_c = [front_c]
         for d in range(1, self.depth):
-            # live mode: the depth too is chosen per cycle, where deeper levels stop paying (budget.py)
-            if policy is not None and not policy.deeper(torch.cat(pool_s, 1), front_s, self.depth - d):
+            if policy is not None and not policy.deeper(np.concatenate(pool_c, 1), front_c, self.steps, self.depth - d):
                 break
             m = visible.shape[2]
             out_h, out_lp = self.head_step(tokens, front_h, ctx, d - 1, visible, view)
             child_lp, child_ids = torch.topk(out_lp, k, dim=-1)            # [B, k, k]
-            if policy is not None:
-                policy.expanded(child_lp, front_s)
             path = (front_s[:, :, None] + child_lp).flatten(1)            # path score = product of confidences
             key = path if self.tree.expand_by == "path" else child_lp.flatten(1)  # "node": the paper's ablation
             sel = torch.topk(key, k, dim=1).indices
+            if policy is not None:
+                cond = self.acceptance_of().conditionals("head", d + 1, child_lp[busy].exp().double().cpu().numpy())
+                policy.note_children(cond.max(-1), front_c)
+                path_c = (front_c[:, :, None] * cond).reshape(len(busy), -1)
+                pool_c.append(path_c)
+                front_c = np.take_along_axis(path_c, sel[busy].cpu().numpy(), 1)
             parent = sel // k
             pool_t.append(head.to_target_ids(child_ids).flatten(1))
             pool_p.append(front_idx.repeat_interleave(k, dim=1))
@@ -539,45 +509,31 @@ class Cycle:
             pick = torch.cat(expanded, 1)
             pool_s = torch.where(pick, -torch.arange(size, device=dev, dtype=pool_s.dtype), float("-inf"))
             n = min(n, int(pick[0].sum()) + 1)
-        elif policy is not None:
-            # live mode: the tree size that buys the most expected tokens (1 + the sum of path
-            # probabilities, section 3) per measured ms of this batch's verify and draft (budget.py)
-            n = policy.size(pool_s, n)
         return rerank_batch(pool_t, pool_p, pool_s, root, n - 1, self.depth)
+
+    def acceptance_of(self) -> Acceptance:
+        return self.policy.acceptance if self.policy is not None else self.acceptance
 
     def merge(self, pool_t, pool_p, pool_s, root):
         """One tree per row from every source's candidates (sources.py): the head's pool (None:
         no head this cycle) and the head-free sources' children of any node, grown best-first by
-        calibrated path probability; the per-cycle budget then sizes it (section 3: expected
+        the acceptance estimate's path probability, then sized by the policy (section 3: expected
         tokens per measured ms). Returns (tokens, parents, depth, ancestors, log scores), [B, N]."""
-        t0 = time.perf_counter()
-        head = None
-        if pool_t is not None:
-            raw = pool_s.exp()
-            cal = self.policy.calibrated(raw) if self.policy is not None else raw
-            head = (pool_t.tolist(), pool_p.tolist(), cal.tolist(), raw.tolist())
-        out = self._padded(*self._grow_rows(head, root), root)
-        self.merge_s = time.perf_counter() - t0
-        return out
+        head = None if pool_t is None else (pool_t.tolist(), pool_p.tolist(), pool_s.exp().tolist())
+        trees = self._grow_rows(head, root, "head" if head is not None else "free", self.steps if head is not None else 0)
+        n = max((len(t.tokens) for t in trees if t is not None), default=1)
+        if self.policy is not None and n > 1:
+            n = self.policy.size(self.tree_probs(trees), "head" if head is not None else "free", self.steps if head is not None else 0)
+        return self._padded(trees, n, root)
 
-    def _grow_rows(self, head, root) -> tuple[list, int]:
-        """Every busy row's merged tree (sources.grow_row) and the size the budget verifies."""
+    def _grow_rows(self, head, root, arm: str, steps: int) -> list:
+        """Every busy row's merged tree (sources.grow_row)."""
         src, policy = self.sources, self.policy
         roots = root.tolist()
-        floor = policy.growth_floor() if policy is not None else None
-        trees = [None if s is None else src.grow_row(s, roots[b], self.n_max, None if head is None else tuple(h[b] for h in head), floor)
-                 for b, s in enumerate(self.slots)]
-        busy = [t for t in trees if t is not None]
-        m = max((len(t.tokens) for t in busy), default=1)
-        n = m
-        if policy is not None and m > 1:
-            probs = np.zeros((len(busy), m - 1))
-            deep = np.ones((len(busy), m - 1), dtype=np.int64)
-            for j, t in enumerate(busy):
-                probs[j, : len(t.scores) - 1] = t.scores[1:]
-                deep[j, : len(t.scores) - 1] = node_depths(t.parents)[1:]
-            n = policy.size_of(probs, deep)
-        return trees, n
+        floor = policy.growth_floor(arm, steps) if policy is not None else None
+        return [None if s is None else src.grow_row(s, roots[b], self.n_max, self.acceptance_of(),
+                                                    None if head is None else tuple(h[b] for h in head), floor)
+                for b, s in enumerate(self.slots)]
 
     def _padded(self, trees: list, n: int, root):
         """The rows' trees cut to `n` nodes as the verify's tensors (sources.pad_trees)."""
@@ -585,6 +541,16 @@ class Cycle:
         tokens, parents, scores, depth, anc = pad_trees(trees, n, root.device, self.sources.vocab)
         tokens[:, 0] = root
         return tokens, parents, depth, anc, scores
+
+    @staticmethod
+    def tree_probs(trees: list) -> np.ndarray:
+        """[busy rows, m - 1]: each busy row's node scores after the root, best first, zero-padded."""
+        busy = [t for t in trees if t is not None]
+        m = max((len(t.tokens) for t in busy), default=1)
+        probs = np.zeros((len(busy), m - 1))
+        for j, t in enumerate(busy):
+            probs[j, : len(t.scores) - 1] = t.scores[1:]
+        return probs
 
     def _grow_static(self, hid, logp, ctx, view, root):
         """EAGLE-1's static tree, or a chain: the same sibling ranks below every root."""
@@ -633,7 +599,7 @@ class Cycle:
         hidden, feats = self.forward_tree(tokens, depth, anc, seq_len)
         b, n = tokens.shape
         logits = self.run.logits(hidden.reshape(b * n, -1))
-        if self.sources_on:  # live mode only (never captured): the recycling table learns every busy row
+        if self.sources is not None:  # live mode only (never captured): the recycling table learns every busy row
             busy = self.state.active[:, None].expand(b, n).reshape(-1)
             return self.sources.argmax_noted(tokens, logits, busy).view(b, n), feats
         return logits.argmax(-1).view(b, n), feats
@@ -651,7 +617,7 @@ class Cycle:
             n_new = torch.where(active, accepted + 1, n_new)
         else:
             new_tokens = bonus[:, None]
-            if new_features is not None and feats is not None:  # the root's pair, for a paused head (resume_head)
+            if new_features is not None and feats is not None:  # the root's pair, for a skipping head (`_skip_head`)
                 new_features = feats[:, :1].to(new_features.dtype)
                 n_new = torch.where(active, 1, n_new)
         seq_len = torch.where(active, seq_len + accepted + 1, seq_len)
@@ -685,7 +651,7 @@ class Cycle:
         idx = need.flatten().nonzero().flatten()
         if idx.numel():
             logits = self.run.logits(hidden.reshape(b * n, -1)[idx])
-            argmax.view(-1)[idx] = (self.sources.argmax_noted(tokens.reshape(-1)[idx], logits) if self.sources_on
+            argmax.view(-1)[idx] = (self.sources.argmax_noted(tokens.reshape(-1)[idx], logits) if self.sources is not None
                                     else logits.argmax(-1))
         sampled, kept = {}, {}
         for i, s in enumerate(self.slots):
@@ -727,7 +693,7 @@ class Cycle:
 
     def _scored(self, slot: Slot, hidden, tree, nodes):
         logits = self.run.logits(hidden)
-        if self.sources_on and tree is not None:
+        if self.sources is not None and tree is not None:
             self.sources.note_logits(tree.tokens if nodes is None else tree.tokens[nodes], logits)
         if slot.procs is not None and slot.procs.active:
             hist = torch.tensor(slot.prompt + slot.tokens[:-1], dtype=torch.long, device=hidden.device)  # every token before the root
@@ -760,46 +726,46 @@ class Cycle:
             return self.counter.exempt(readout.tolist)
         return readout.tolist()
 
+    def _plan(self) -> tuple[Plan, list | None]:
+        """This cycle's arm (policy.Policy.plan) and the busy rows' head-free trees, grown first:
+        they cost no draft step, and their worth says how much room the head has."""
+        st, policy = self.state, self.policy
+        free = None
+        if self.sources is not None and self.sources.head_free:
+            free = self._grow_rows(None, st.root, "free", 0)
+        if policy is None:
+            arm = "head" if self.speculative else "free" if free is not None else "plain"
+            return Plan(arm, max((len(t.tokens) for t in free if t is not None), default=1) if free is not None else 1), free
+        policy.batch = self.batch
+        return policy.plan(None if free is None else self.tree_probs(free), can_skip_head=self.speculative), free
+
     @torch.no_grad()
     def step(self) -> list[tuple[int, list[int], int]]:
-        """One cycle for every row: draft, verify, accept, commit. Returns, per busy row, (row,
-        tokens it produced, draft tokens accepted), before stop handling."""
+        """One cycle for every row: plan, propose, verify (accept, commit), learn. Returns, per busy
+        row, (row, tokens it produced, draft tokens accepted), before stop handling."""
         t0 = time.perf_counter()
         b, dev, st = self.batch, self.run.device, self.state
         if not self.fixed:  # room for the longest row and its tree (doubling, `ensure_capacity`)
             self.ensure_capacity(max(self.host_len) + 1)
         if self.sources is not None:
             self.sources.last = []
-        free, gate_bin, self.gate_s, free_size, free_rows = None, None, 0.0, 1, None
-        if self.gated:  # the head skipped the last cycle: the gate asks again
-            self.resume_head()
-            self.gated = False
-        if self.speculative and self.sources_on and self.gating and self.policy is not None:
-            # the head-free sources' tree first (no draft step): its expected tokens at the size
-            # the budget would verify (section 3) say how much room the head has this cycle
-            self.policy.begin(st.active, True, steps=0)
-            rows, size = self._grow_rows(None, st.root)
-            free_rows = rows
-            gate_bin, free_size = self.gate.bin(1.0 + sum(rows[0].scores[1:size])), size
-            self.gate_s = time.perf_counter() - t0
-            if not self.gate.wants(gate_bin):
-                self.stop_drafting()  # its pairs wait in `paused`; the next cycle asks again
-                self.gated, gate_bin = True, None
-                free = self._padded(rows, size, st.root)
-        if self.speculative:
+        plan, free = self._plan()
+        if plan.arm == "head" and self.speculative:
+            self._unpause()
             tokens, parents, depth, anc, scores, st.head_len = self._call(
                 "draft", self._draft, st.new_tokens, st.new_features, st.head_len, st.n_new, st.root, st.active)
-        elif free is not None:
-            tokens, parents, depth, anc, scores = free
-        elif self.sources_on:  # no head (or it stopped paying): the head-free sources alone
-            if self.policy is not None:
-                self.policy.begin(st.active, self.busy == b, steps=0)
-            tokens, parents, depth, anc, scores = self._call("draft", self.merge, None, None, None, st.root)
+            plan.steps = self.steps
         else:
-            tokens, scores = st.root[:, None], None
-            parents = torch.full((b, 1), -1, dtype=torch.long, device=dev)
-            depth = torch.zeros(b, 1, dtype=torch.long, device=dev)
-            anc = torch.ones(b, 1, 1, dtype=torch.bool, device=dev)
+            self._skip_head()
+            if plan.arm == "free" and plan.free_n > 1:
+                tokens, parents, depth, anc, scores = self._padded(free, plan.free_n, st.root)
+            else:
+                if free is not None:  # a plain cycle still learns what the head-free trees would have given
+                    self.sources.last = free
+                tokens, scores = st.root[:, None], None
+                parents = torch.full((b, 1), -1, dtype=torch.long, device=dev)
+                depth = torch.zeros(b, 1, dtype=torch.long, device=dev)
+                anc = torch.ones(b, 1, 1, dtype=torch.bool, device=dev)
         t1 = time.perf_counter()
         n = tokens.shape[1]
         state = (st.seq_len, st.root, st.n_new, st.new_features, st.active)
@@ -819,8 +785,8 @@ class Cycle:
         if self.paused is not None:
             self.paused.append((st.new_tokens[:, : self.absorb].clone(), st.new_features[:, : self.absorb].clone()))
         t2 = time.perf_counter()
-        tail, self.tail_s = self.tail_s if n > 1 or self.speculative else 0.0, 0.0
-        self.last = {"tree": n, "draft_s": t1 - t0 + tail, "verify_s": t2 - t1, "busy": self.busy, "batch": b}
+        tail, self.tail_s = self.tail_s, 0.0
+        self.last = {"tree": n, "arm": plan.arm, "draft_s": t1 - t0 + tail, "verify_s": t2 - t1, "busy": self.busy, "batch": b}
         out = []
         for i, s in enumerate(self.slots):
             if s is None:
@@ -829,55 +795,27 @@ class Cycle:
             self.host_len[i] += a + 1
             s.summary.record_cycle(a, n, deepest, t1 - t0, t2 - t1)
             out.append((i, values[i][2 : 3 + a], a))
-        known = None  # merged trees: per busy row every grown node the emitted tokens decide
-        if self.sources is not None and self.sources.last:
-            busy = [i for i, s in enumerate(self.slots) if s is not None]
-            # the tokens each row emitted (accepted + bonus) decide every grown node whose parent is
-            # on them, verified or not: greedy, the target's token after a node is its argmax;
-            # sampling, the keyed rule's draw from the node's p and its position's uniform
-            # (accept.accept_sampling_keyed), which no tree changes. Either way the token the
-            # target took after an accepted node is the next one emitted.
-            emitted = [values[i][2 : 3 + values[i][0]] for i in busy]
-            only_head, known = self.sources.observe(path.tolist(), [v[0] for v in values], busy,
-                                                    [self.slots[i].summary for i in busy], n, emitted)
-            if self.speculative:
-                made, ms, head_ms = sum(values[i][0] + 1 for i in busy), 1000 * (t2 - t0 + tail), 1000 * max(0.0, t1 - t0 - self.merge_s - self.gate_s)
-                if gate_bin is not None:
-                    # without the head the cycle would also have verified the head-free tree at its
-                    # own size, not this one: the rows its nodes added are its cost too (on the
-                    # 4-bit blocks a second row costs 1.18x the first, and the head's cycles gave
-                    # 6.9 ms a token where plain ones gave 6.1 while the gate let it draft)
-                    rows_ms = self.policy.rows_ms(free_size, n)
-                    # what the head-free tree the gate grew would have produced is known from
-                    # the tokens the target emitted, so the head is credited with everything it
-                    # changed (its own nodes, and the ranking and size its agreement gave the
-                    # others' nodes), not only the accepted nodes it alone proposed (measured:
-                    # that undercount skipped the head in about half the cycles on float32
-                    # weights, where it paid)
-                    only_head = made - sum(tokens_taken(free_rows[i], free_size, e) for i, e in zip(busy, emitted))
-                    self.gate.record(gate_bin, made, ms, only_head, head_ms + rows_ms)
-                else:
-                    add_to_tally(self.head_tally, made, ms, only_head, head_ms)
-        if scores is not None and (self.policy is not None or self.record_confidence):
-            merged = known if self.policy is not None and known is not None and None not in known else None
-            self._observe(scores, depth, path, [v[0] for v in values], t1 - t0 + tail, t2 - t1, merged)
-        if self.drafting:
-            self.tail_s = time.perf_counter() - t2
+        self._learn(plan, free, values, n, t1 - t0 + tail, t2 - t1)
+        if scores is not None and self.record_confidence:
+            self._observe(scores, path)
+        self.tail_s = time.perf_counter() - t2
         return out
 
-    def _head_raw(self, busy: list[int], n: int):
-        """For a merged tree (sources.py): (the head's raw path probabilities [rows, n - 1], which
-        nodes the head proposed), or None where the tree was the head's alone."""
-        if self.sources is None or not self.sources.last:
-            return None
-        raw = np.zeros((len(busy), n - 1))
-        mask = np.zeros((len(busy), n - 1), dtype=bool)
-        for j, i in enumerate(busy):
-            t = self.sources.last[i]
-            for node in range(1, min(n, len(t.tokens))):
-                if t.head_raw[node] is not None:
-                    raw[j, node - 1], mask[j, node - 1] = t.head_raw[node], True
-        return torch.from_numpy(raw), torch.from_numpy(mask)
+    def _learn(self, plan: Plan, free, values, n: int, draft_s: float, verify_s: float) -> None:
+        """What the cycle teaches: every grown node whose fate the emitted tokens decide (the
+        acceptance estimate), its costs, and in the head's cycles what the alternative would have
+        made (the tokens the target emitted decide every head-free node: sources.tokens_taken)."""
+        busy = [i for i, s in enumerate(self.slots) if s is not None]
+        emitted = [values[i][2 : 3 + values[i][0]] for i in busy]
+        nodes = []
+        if self.sources is not None and self.sources.last:
+            nodes = self.sources.observe(busy, [self.slots[i].summary for i in busy], n, emitted)
+        if self.policy is None:
+            return
+        made = sum(len(e) for e in emitted)
+        alt = plan.alt
+        alt_tokens = sum(tokens_taken(free[i], alt[1], e) for i, e in zip(busy, emitted)) if alt[0] == "free" else len(busy)
+        self.policy.learn(Outcome(plan, n, len(busy), made, alt_tokens, 1000 * draft_s, 1000 * verify_s, nodes))
 
     def step_at_size(self, n: int) -> dict:
         """One cycle verifying trees of `n` nodes (1: the root alone, no draft), for timing each
@@ -891,28 +829,12 @@ class Cycle:
             self.state.new_tokens = pending
         return self.last
 
-    def _observe(self, scores, depth, path, accepted: list[int], draft_s: float, verify_s: float, known=None) -> None:
-        """Calibration evidence (section 3): each drafted node's path probability and whether it
-        was accepted, for the chooser's per-bin correction and compare's calibration table.
-        `known`: for a merged tree, every grown node whose fate the emitted tokens decide
-        (sources.known_outcomes, per busy row), verified or not."""
+    def _observe(self, scores, path) -> None:
+        """Calibration evidence for compare's table (section 3): each drafted node's path
+        probability and whether it was accepted."""
         busy = [i for i, s in enumerate(self.slots) if s is not None]
         # paths are padded with the root (column 0, dropped below), so one scatter marks each row's path
         on = torch.zeros(len(busy), scores.shape[1], dtype=torch.float, device=scores.device).scatter_(1, path[busy], 1.0)
         probs = scores[busy, 1:].exp()
-        if self.policy is not None:
-            head_raw = self._head_raw(busy, scores.shape[1])  # merged trees: the head's own calibration learns from its nodes only
-            merged = None
-            if head_raw is not None:
-                # The size is chosen on the merged scores: their calibration learns from every
-                # node whose fate is known, not only the verified ones. From the verified alone,
-                # a cycle sized small adds little evidence and one sized large much, so estimates
-                # judged too low kept the trees small and stayed too low (bfloat16, SmolLM2:
-                # whole answers decoded plain where a constant 4-node tree gave tau 1.7).
-                merged = (probs, depth[busy, 1:], on[:, 1:]) if known is None else tuple(
-                    np.concatenate([np.asarray(k[j], dtype=np.float64) for k in known]) for j in range(3))
-            self.policy.observe(probs if head_raw is None else head_raw[0], on[:, 1:], draft_s, verify_s,
-                                sum(accepted[i] + 1 for i in busy), None if head_raw is None else head_raw[1], merged)
-        if self.record_confidence:
-            for j, i in enumerate(busy):
-                self.slots[i].summary.record_confidence(probs[j], on[j, 1:])
+        for j, i in enumerate(busy):
+            self.slots[i].summary.record_confidence(probs[j], on[j, 1:])

@@ -2,10 +2,9 @@
 
 Chat is one request; a prompt file is a queue, and a row whose sequence ends takes the next
 prompt (continuous batching). The engine owns what the cycle does not: admitting prompts into
-free rows, stop handling and events, dropping idle rows once the queue runs dry, and its
-policy: the per-cycle budget (budget.py), which sizes every live cycle's tree and may stop
-drafting when it does not pay, the head gate (budget.HeadGate, which the cycle asks whether the
-head drafts beside the head-free sources), and the lm_head plan from the measured costs. The cycle itself
+free rows, stop handling and events, dropping idle rows once the queue runs dry, the drafting
+policy (policy.py, which the live cycle asks what to draft and how much to verify), and the
+lm_head plan from the measured costs. The cycle itself
 (draft, verify, commit) and its two modes, live and fixed (captured), are cycle.py's; the KV
 cache is kvcache.py's.
 """
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .accept import first_token, generation_seed
-from .budget import Backoff, BudgetChooser, HeadGate, TreePolicy, new_tally
+from .policy import CostCurve, Policy
 from .cycle import Cycle, Slot, bucket
 from .sources import DraftSources
 from .events import GenerationSettings, StepEvent, StopChecker, Summary, collect
@@ -106,8 +105,10 @@ class Engine:
         # object for the engine's life, so its recycling table keeps learning across runs and turns
         names = tuple(s for s in (sources or ()) if s != "head")
         live = not self.graph and self.tree.shape == "dynamic"
-        self.sources = DraftSources(names, model.get_output_embeddings().weight.shape[0]) if names and live else None
-        drafts = head is not None or self.sources is not None
+        drafts = head is not None or (names and live)
+        auto = drafts and live and self.tree.budget == "auto"
+        # every live tree of the policy's goes through the merge (the head's alone too): one ranking, one sizing
+        self.sources = DraftSources(names, model.get_output_embeddings().weight.shape[0]) if live and (names or auto) else None
         if costs is None and run.device.type == "cpu" and drafts:
             costs = load_or_measure(model, head)  # cached per machine, model, dtype and threads
         self.costs = costs
@@ -115,20 +116,17 @@ class Engine:
         # one product where that costs no more than internal rows first (a GPU; cheap rows).
         rows = self.batch * (self.tree.total_tokens if drafts else 1)
         self.one_product = self.graph or run.device.type != "cpu" or costs is None or costs.rows_are_cheap(rows)
-        self.gate_head = True  # False: the head drafts every cycle until `head_pays` stops it for a while (benchmarks)
-        self.chooser = None  # the per-cycle budget, kept across runs: a chat's later turns use what earlier ones measured
-        if drafts and not self.graph and self.tree.budget == "auto" and self.tree.shape == "dynamic":
+        self.policy = None  # the drafting policy, kept across runs: a chat's later turns use what earlier ones learned
+        if auto:
             if costs is None:
                 raise ValueError("budget='auto' needs measured costs (measure.load_or_measure)")
-            k = self.tree.top_k
-            self.chooser = BudgetChooser(costs, self.tree.total_tokens, costs.draft_step_ms(k), batch_costs=batch_costs,
-                                         step_at=lambda b: costs.draft_step_ms(k * b))
+            k, n = self.tree.top_k, self.tree.total_tokens
+            self.policy = Policy(CostCurve(costs, n, lambda b: costs.draft_step_ms(k * b), batch_costs), n, head is not None, bool(names))
         self.cycle: Cycle | None = None
         self.eos_ids = None
         self.counter = None
-        self.stats = {"cycles": 0, "plain_from_cycle": None, "tree_sizes": {}}
+        self.stats = {"cycles": 0, "tree_sizes": {}, "arms": {}}
         self.heartbeat = 0.0  # time.time() of the last completed cycle (a server's /health reads it)
-        self.drafting_paid = True  # False once a run stopped drafting, until a run keeps drafting to its end
 
     @property
     def capture_failure(self):
@@ -139,7 +137,7 @@ class Engine:
         if self.head is None and self.sources is None:
             return "plain decoding"
         n = self.tree.total_tokens
-        what = f"trees of up to {n} nodes (chosen per cycle)" if self.chooser is not None else f"{self.tree.shape} trees of {n} nodes"
+        what = f"trees of up to {n} nodes (chosen per cycle)" if self.policy is not None else f"{self.tree.shape} trees of {n} nodes"
         return f"{what} from {self.source_label()}"
 
     def source_label(self) -> str:
@@ -164,16 +162,8 @@ class Engine:
         c.reset()
         c.fit()  # a run that ended early (an error, Ctrl-C) may have left long rows' buffers
         c.ensure_capacity(capacity)
-        c.policy = TreePolicy(self.chooser) if self.chooser is not None else None
+        c.policy = self.policy
         c.one_product, c.record_confidence, c.counter = self.one_product, self.record_confidence, self.counter
-        if self.chooser is not None:
-            self.chooser.start_run(c.batch)
-            c.head_tally = new_tally(c.head_tally)  # each run tries the head on its own text (a stop is re-tried: Backoff)
-            if self.gate_head:  # batch 1 beside head-free sources: the head drafts the cycles where it pays (HeadGate)
-                c.gate = c.gate or HeadGate(self.chooser.patience)
-                c.gate.new_run()
-            else:
-                c.gate = None
         return c
 
     def _run(self, queue, poll=None) -> Iterator[tuple[object, object, list[int] | None]]:
@@ -210,8 +200,6 @@ class Engine:
             s.summary.finish(s.stop, time.perf_counter() - s.started)
             return s.key, s.summary, s.tokens
 
-        patience = self.chooser.patience if self.chooser is not None else 0
-        probe = Backoff(2 * patience, max(2, patience // 2))  # re-tries after a stop in this run, each judged sooner than a run's start
         with cycle.session():
             try:
                 while True:
@@ -256,8 +244,6 @@ class Engine:
                             deferred.append(req)
                             continue
                         root = cycle.admit(b, req.ids, slot, pick_fn(slot), kept, reuse)
-                        if cycle.resume_sources() and self.chooser is not None:
-                            self.chooser.start_run(cycle.batch)  # the new request's text is judged afresh
                         if chunked.pop(id(req), None) is not None and self.prefix is None:
                             self._chunks.discard(req.ids)  # its chunks served their purpose
                         slot.started = part[2]
@@ -278,33 +264,10 @@ class Engine:
                         self._compact(cycle)
                     rows = cycle.step()
                     self.stats["cycles"] += 1
-                    if cycle.gated:  # the head skipped this cycle (HeadGate)
-                        self.stats["head_skips"] = self.stats.get("head_skips", 0) + 1
                     self.heartbeat = time.time()
-                    n = cycle.last["tree"]
+                    n, arm = cycle.last["tree"], cycle.last["arm"]
                     self.stats["tree_sizes"][n] = self.stats["tree_sizes"].get(n, 0) + 1
-                    if self.chooser is not None and cycle.drafting and not self.chooser.drafting_pays:
-                        # measured over this run's drafted cycles, their host work included: plain
-                        # cycles give more tokens per ms (section 3's trade, settled by the clock)
-                        cycle.stop_drafting(head_only=False)
-                        self.stats["plain_from_cycle"] = self.stats["cycles"]
-                        self.drafting_paid = False
-                        probe.stopped(self.stats["cycles"])
-                    elif (self.chooser is not None and cycle.speculative and not cycle.gating
-                          and not self.chooser.head_pays(cycle.head_tally)):
-                        # the head does not pay beside the head-free sources, which go on alone
-                        # (sources.py) and are judged afresh
-                        cycle.stop_drafting()
-                        self.chooser.start_run(cycle.batch)
-                        self.stats["plain_from_cycle"] = self.stats["cycles"]
-                        self.drafting_paid = False
-                        probe.stopped(self.stats["cycles"])
-                    elif probe.due(self.stats["cycles"]) and (cycle.resume_sources() | cycle.resume_head()):
-                        # a stop judged the text so far; the text changes within an answer (a
-                        # copied passage, then free prose): drafting is tried again, judged afresh
-                        self.chooser.start_run(cycle.batch, trial=probe.trial)
-                        cycle.head_tally = new_tally(cycle.head_tally, self.chooser.patience - probe.trial)
-                        self.stats["probes"] = self.stats.get("probes", 0) + 1
+                    self.stats["arms"][arm] = self.stats["arms"].get(arm, 0) + 1
                     for b, toks, accepted in rows:
                         s = cycle.slots[b]
                         emitted = s.stop.push(toks)
@@ -313,8 +276,6 @@ class Engine:
                                                verify_s=cycle.last["verify_s"], logprobs=take_logprobs(s, emitted)), None
                         if s.stop.done:
                             yield finish(b)
-                if cycle.speculative:
-                    self.drafting_paid = True
             except GeneratorExit:
                 # closed between events (a chat's Ctrl-C): every row is consistent here, so the
                 # requests that asked to be kept keep what they emitted, with its cache
@@ -340,15 +301,8 @@ class Engine:
         if kept is None:
             return None, 0
         reuse = min(common, len(ids)) - 1
-        head = kept.head_len if kept.head is not None else 0
-        if cycle.speculative and head < reuse - cycle.width and not self.drafting_paid and not cycle.busy:
-            # The kept head lags its target cells: it stopped absorbing when the last run measured
-            # that drafting does not pay (stop_drafting). Catching it up would prefill again what
-            # is kept, so this run starts plain, as that run went on after `patience` cycles.
-            cycle.stop_drafting(resumable=False)
-            self.stats["plain_from_cycle"] = self.stats["cycles"]
-        elif cycle.speculative:
-            reuse = min(reuse, head)
+        if cycle.speculative:
+            reuse = min(reuse, kept.head_len if kept.head is not None else 0)
         reuse = max(0, reuse)
         if record:
             store.record_hit(reuse)
@@ -370,8 +324,6 @@ class Engine:
         idle rows, or the run started with fewer requests. Only the rows they use: every row is a
         row of every product and of every K/V buffer."""
         cycle.widen(max(cycle.batch, self._rows_for(cycle.busy + waiting)))
-        if self.chooser is not None:
-            self.chooser.batch = cycle.batch
 
     def _compact(self, cycle: Cycle) -> None:
         """Drop idle rows once no prompt waits for them: every row costs a row of every product.
@@ -383,8 +335,6 @@ class Engine:
                 return
             keep += [i for i, s in enumerate(cycle.slots) if s is None][: size - len(keep)]
         cycle.compact(sorted(keep))
-        if self.chooser is not None:
-            self.chooser.batch = cycle.batch
 
     @torch.no_grad()
     def run(self, queue, on_done) -> None:

@@ -74,7 +74,7 @@ class Summary:
     cached_tokens: int = 0          # prompt tokens restored from a kept sequence (prefix.py), not prefilled
     # Calibration (EAGLE-2 section 3): drafted nodes binned by path probability, and how many of
     # each bin were on the accepted path: a [3, CONFIDENCE_BINS] tensor (nodes, accepted, confidence
-    # sum; budget.bin_counts) on the tree's device, read only when reported.
+    # sum; policy.bin_counts) on the tree's device, read only when reported.
     confidence_counts: Any = None        # torch is imported only where used
     # Per draft source (sources.py): nodes verified, accepted, and the calibration of its
     # conditionals (children of accepted parents) by bin of the predicted conditional.
@@ -109,7 +109,7 @@ class Summary:
 
     def record_confidence(self, path_probs, on_path) -> None:
         """One cycle's drafted nodes: their path probabilities and which were on the accepted path."""
-        from .budget import bin_counts
+        from .policy import bin_counts
 
         if path_probs.numel() == 0:
             return
@@ -127,8 +127,8 @@ class Summary:
 
     @property
     def calibration_gap(self) -> float | None:
-        """Node-weighted mean |confidence - acceptance| (budget.calibration_gap); None without data."""
-        from .budget import calibration_gap
+        """Node-weighted mean |confidence - acceptance| (policy.calibration_gap); None without data."""
+        from .policy import calibration_gap
 
         return None if self.confidence_counts is None else round(calibration_gap(self.confidence_counts), 4)
 

@@ -8,14 +8,14 @@ import re
 
 Decoder = object  # anything with .generate(prompt_ids, GenerationSettings) -> (tokens, Summary)
 BASELINES = ("pld", "sps", "static", "chain", "auto", "graph", "compiled", "generate-compiled",
-             "plain-float32", "no-gate")  # plus tree:N/D/K, auto:N/D/K, batch:B[xN]
+             "plain-float32")  # plus tree:N/D/K, auto:N/D/K, batch:B[xN]
 RENAMED = {"fixed": "graph"}  # old method names, still accepted with a notice
 PLD_TOKENS = 10
 
 
 def parse_tree_spec(name: str) -> tuple[int, int, int] | None:
     """`tree:6/3/2` or `auto:16/3/4` -> (total_tokens, depth, top_k); None if not a tree spec.
-    `auto:` trees choose their size every cycle, up to the first number (budget.py)."""
+    `auto:` trees choose their size every cycle, up to the first number (policy.py)."""
     m = re.fullmatch(r"(?:tree|auto):(\d+)/(\d+)/(\d+)", name)
     return tuple(int(g) for g in m.groups()) if m else None
 
@@ -60,9 +60,7 @@ def build_methods(runtime, against=(), vanilla: bool = True, assistant_model=Non
             methods[name] = (FloatWeights(BatchedEagle(runtime, 1, 1)), False)
         elif name in ("static", "chain"):
             methods[name] = (runtime.eagle(dataclasses.replace(constant_tree, shape=name), record_confidence=True), True)
-        elif name == "no-gate":  # the head drafts every cycle beside the head-free sources (budget.HeadGate off)
-            methods[name] = (runtime.eagle(record_confidence=True, gate=False), True)
-        elif name == "auto":  # the per-cycle budget as `--total-tokens auto` sets it up
+        elif name == "auto":  # the drafting policy as `--total-tokens auto` sets it up
             methods[name] = (runtime.eagle(runtime.auto_tree, record_confidence=True), True)
         elif (spec := parse_tree_spec(name)) is not None:
             tree = dataclasses.replace(constant_tree, shape="dynamic", total_tokens=spec[0], depth=spec[1], top_k=spec[2],

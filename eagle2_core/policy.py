@@ -99,6 +99,11 @@ class Acceptance:
     def conditional(self, key: str, depth: int, raw: float) -> float:
         return min(1.0, raw * self.ratio(key)[min(depth, DEPTHS) - 1][conf_bin(raw)])
 
+    def conditionals(self, key: str, depth: int, raw: np.ndarray) -> np.ndarray:
+        """`conditional` over an array of raw confidences at one depth."""
+        r = np.asarray(self.ratio(key)[min(depth, DEPTHS) - 1])
+        return np.minimum(1.0, raw * r[np.clip((raw * BINS).astype(np.int64), 0, BINS - 1)])
+
     def add(self, key: str, depth: int, raw: float, accepted: bool) -> None:
         c = self.cells.get(key)
         if c is None:
@@ -121,6 +126,7 @@ class CostCurve:
     def __init__(self, profile, n_max: int, step_at, batch_costs=None):
         self.profile, self.n_max, self.step_at, self.batch_costs = profile, n_max, step_at, batch_costs
         self._by_batch: dict[int, dict] = {}
+        self.frozen = False  # True: keep the profile's costs (tests that need a known cost table)
 
     def _state(self, b: int) -> dict:
         st = self._by_batch.get(b)
@@ -163,6 +169,8 @@ class CostCurve:
         return self.overhead(b, arm) + steps * self.step(b) + float(self.verify(b)[n - 1])
 
     def learn(self, b: int, arm: str, n: int, steps: int, draft_ms: float, verify_ms: float) -> None:
+        if self.frozen:
+            return
         st = self._state(b)
         if n <= self.n_max:
             st["sum"][n - 1] += verify_ms
@@ -243,8 +251,8 @@ class Policy:
         if total[0] <= 0.0:
             return True
         n, s, ss, a = self.record[b] + min(PATIENCE, total[0]) * total / total[0]
-        # a cycle's tokens vary by half a token at least: its gain's spread is at least that over the alternative's ms
-        var = max(ss / n - (s / n) ** 2, (0.5 * a / n) ** 2)
+        # a cycle's tokens vary by a third of a token at least: its gain's spread is at least that over the alternative's ms
+        var = max(ss / n - (s / n) ** 2, (0.35 * a / n) ** 2)
         return s / (n + PRIOR_CYCLES) + (var / (n + PRIOR_CYCLES)) ** 0.5 * self.rng.standard_normal() >= 0.0
 
     def plan(self, free_probs=None, can_skip_head: bool = True) -> Plan:
@@ -309,12 +317,15 @@ class Policy:
         self.keep[1] += float(parents.sum())
 
     def learn(self, o: Outcome) -> None:
+        # both sides at the cost curve's figures (refined by this cycle's timing just below): the
+        # alternative's cycle never ran, and one cycle's timing is noisier than the curve
+        head_ms = self.costs.cycle(self.batch, "head", o.n, o.plan.steps)
         self.costs.learn(self.batch, o.plan.arm, o.n, o.plan.steps, o.draft_ms, o.verify_ms)
         for key, depth, raw, got in o.nodes:
             self.acceptance.add(key, depth, raw, got)
         self.record *= 1.0 - 1.0 / WINDOW
         if o.plan.arm == "head" and self.has_head:
-            gain = o.tokens / (o.draft_ms + o.verify_ms) - o.alt_tokens / o.plan.alt[2]
+            gain = o.tokens / head_ms - o.alt_tokens / o.plan.alt[2]
             self.record[o.plan.bin] += (1, gain, gain * gain, 1.0 / o.plan.alt[2])
 
 

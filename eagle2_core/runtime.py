@@ -254,9 +254,8 @@ class Runtime:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def eagle(self, tree: TreeSettings | None = None, record_confidence: bool = False, compile: bool | None = None,
-              graph: bool | None = None, sources: tuple | None = None, gate: bool = True) -> Engine:
-        """A decoder with this runtime's settings; `tree`, `compile`, `graph` and the draft `sources` override them.
-        `gate` False: the head drafts every cycle beside the head-free sources (no budget.HeadGate)."""
+              graph: bool | None = None, sources: tuple | None = None) -> Engine:
+        """A decoder with this runtime's settings; `tree`, `compile`, `graph` and the draft `sources` override them."""
         tree = tree or self.tree
         if self.head is None and not self.sources and tree.total_tokens != 1:  # one node: plain decoding needs no draft
             raise LoadError("no draft head loaded")
@@ -266,13 +265,12 @@ class Runtime:
             backend = capture_choice(self.model.get_output_embeddings().weight.device, tree, compile)[0]
         graph = bool(backend) or (self.graph if graph is None else graph) and supports_graph(tree)
         sources = self.sources if sources is None else sources
-        key = (dataclasses.astuple(tree), record_confidence, graph, backend, id(self.head), sources, gate)
+        key = (dataclasses.astuple(tree), record_confidence, graph, backend, id(self.head), sources)
         if key not in self._decoders:
             head = self.head if "head" in sources or not sources else None
             self._decoders[key] = Engine(self.model, head, self.tokenizer, tree,
                                          self.cost_profile() if tree.budget == "auto" else self.costs,
                                          record_confidence=record_confidence, graph=graph, compile=backend, sources=sources)
-            self._decoders[key].gate_head = gate
         self._decoders[key].prefix = self.prefix_cache  # set late: chat's --no-prefix-cache and /reset act on every decoder
         return self._decoders[key]
 
