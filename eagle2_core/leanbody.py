@@ -69,7 +69,7 @@ def why_not(body, config) -> str | None:
     if type(body.embed_tokens) not in (torch.nn.Embedding, rowgemm.FloatlessEmbedding) or type(body.norm).__name__ not in NORMS:
         return "embedding or final norm of another kind"
     for mod in body.modules():
-        if hasattr(mod, "_hf_hook") or mod._forward_hooks or mod._forward_pre_hooks:
+        if hasattr(mod, "_hf_hook") or mod._forward_pre_hooks or any(not _inert(h) for h in mod._forward_hooks.values()):
             return "a module carries hooks (accelerate offload or another tool's)"
     for layer in layers:
         if type(layer).__name__ not in LAYERS:
@@ -84,6 +84,12 @@ def why_not(body, config) -> str | None:
         if any(type(n).__name__ not in NORMS for n in norms):
             return "a norm of another kind"
     return None
+
+
+def _inert(hook) -> bool:
+    """Whether a forward hook is one of those transformers leaves on a model once it was asked for
+    hidden states or attentions: they record only inside such a call of its own forward."""
+    return getattr(hook, "__name__", "") == "output_capturing_hook" and "transformers" in getattr(hook, "__module__", "")
 
 
 def for_model(body, config) -> "LeanBody | None":

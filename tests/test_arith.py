@@ -123,6 +123,10 @@ def int8_target():
     if not rowgemm.have_int8():
         pytest.skip("no int8 kernels built here")
     model, head = block_target(seed=1, vocab=48, fit=True)
+    from eagle2_core.target import TargetRunner
+
+    lean = TargetRunner(model).lean  # the fit asked transformers for hidden states: its hooks stay on the model, inert
+    assert lean is not None and lean.native_ok
     tiled = rowgemm.interleave(model)  # as a loaded GGUF target is held in int8, where this CPU takes it
     assert tiled == 0 or sum(rowgemm.blocks_of(w).tiled is not None for w in model.parameters() if rowgemm.blocks_of(w)) > 10
     return model, head
