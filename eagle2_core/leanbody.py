@@ -69,7 +69,7 @@ def why_not(body, config) -> str | None:
     if type(body.embed_tokens) not in (torch.nn.Embedding, rowgemm.FloatlessEmbedding) or type(body.norm).__name__ not in NORMS:
         return "embedding or final norm of another kind"
     for mod in body.modules():
-        if hasattr(mod, "_hf_hook") or mod._forward_hooks or mod._forward_pre_hooks:
+        if hasattr(mod, "_hf_hook") or mod._forward_pre_hooks or any(not _inert(h) for h in mod._forward_hooks.values()):
             return "a module carries hooks (accelerate offload or another tool's)"
     for layer in layers:
         if type(layer).__name__ not in LAYERS:
@@ -84,6 +84,12 @@ def why_not(body, config) -> str | None:
         if any(type(n).__name__ not in NORMS for n in norms):
             return "a norm of another kind"
     return None
+
+
+def _inert(hook) -> bool:
+    """Whether a forward hook is one of those transformers leaves on a model once it was asked for
+    hidden states or attentions: they record only inside such a call of its own forward."""
+    return getattr(hook, "__name__", "") == "output_capturing_hook" and "transformers" in getattr(hook, "__module__", "")
 
 
 def for_model(body, config) -> "LeanBody | None":
@@ -177,9 +183,9 @@ def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
 
 # -- the native layer loop ---------------------------------------------------------------------
 # The same layers in C++ (csrc/layers.cpp, built by native.py): what remains of a forward once
-# Python is out of it. It serves the chat's hot path only: one sequence in live mode (its new K/V
-# written as a slice), no EAGLE-3 layer capture; each product takes the plan's kernel, as in the
-# Python loop. Where the build fails the Python loop runs.
+# Python is out of it. It serves the decoding cycle's forwards in live mode (one sequence, or
+# several at their own cells) and, in int8, every prompt's prefill; no EAGLE-3 layer capture. Each
+# product takes the plan's kernel, as in the Python loop. Where the build fails the Python loop runs.
 
 
 def native_loop():
@@ -288,6 +294,10 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * signed_sin
 
 
+# Rows of a prompt's prefill per native forward (`LeanBody.__call__`).
+PREFILL_ROWS = 128
+
+
 class LeanBody:
     def __init__(self, body, config):
         self.body = body
@@ -329,14 +339,29 @@ class LeanBody:
 
     def _native(self, b, n, mask, cache, layers, dtype):
         """(the native loop, the packings, each sequence's first new cell), where this forward is one it serves."""
-        if not self.native_ok or layers or isinstance(mask, dict) or getattr(cache, "row", 0) is not None \
-                or not cache.layers[0].is_initialized or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if not self.native_ok or layers or isinstance(mask, dict) or not hasattr(cache, "row") \
+                or torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None, None, None
-        if b == 1 and cache.start is not None:
+        if not cache.layers[0].is_initialized:
+            if cache.row is None or rowgemm.arithmetic() != "int8":
+                return None, None, None
+            # a fresh cache's first prefill: its buffers, as the Python loop's first K/V write would make them
+            z = torch.zeros(1, self.n_kv, 1, self.head_dim, dtype=dtype)
+            for layer in cache.layers:
+                layer.lazy_initialization(z, z)
+        if cache.row is not None:
+            # One prompt's prefill into its own row (cycle.admit), in int8 only: there the native
+            # loop makes a prompt row's bits those of the same token decoded, verified or prefilled
+            # in any other chunking, as its products already are; exact keeps the ATen attention,
+            # bitwise transformers' prefill.
+            if b != 1 or rowgemm.arithmetic() != "int8" or not self._fused_fits(n, mask, cache, dtype) or cache.cells.dim() != 1:
+                return None, None, None
+            starts = [int(cache.cells[0])]
+            if not torch.equal(cache.cells, starts[0] + torch.arange(n)):
+                return None, None, None
+        elif b == 1 and cache.start is not None:
             starts = [int(cache.start)]
-        elif b > 1 and dtype == torch.float32 and mask.dtype == torch.float32 and mask.dim() == 4 and mask.shape[-1] == cache.view \
-                and not cache.static and cache.cells is not None and cache.cells.shape == (b, n) and cache.cells.device.type == "cpu" \
-                and cache.layers[0].keys.is_contiguous() and cache.layers[0].values.is_contiguous():
+        elif b > 1 and self._fused_fits(n, mask, cache, dtype) and not cache.static and cache.cells.shape == (b, n):
             # Several sequences (live mode): each row's new cells run on from its own length. The
             # native loop attends row by row in key order, so a row's bits are its own whatever
             # its batch-mates and its tree, as at batch 1 (the ATen form's SDPA sums by lanes,
@@ -348,6 +373,13 @@ class LeanBody:
             return None, None, None
         loop = native_loop()
         return (loop, self._products(b * n), starts) if loop is not None else (None, None, None)
+
+    @staticmethod
+    def _fused_fits(n, mask, cache, dtype) -> bool:
+        """Whether csrc/layers.cpp's float32 loops (not its one-sequence ATen form) take a forward of n rows per sequence."""
+        return dtype == torch.float32 and isinstance(mask, torch.Tensor) and mask.dtype == torch.float32 and mask.dim() == 4 \
+            and mask.shape[-2:] == (n, cache.view) and cache.cells is not None and cache.cells.device.type == "cpu" \
+            and cache.layers[0].keys.is_contiguous() and cache.layers[0].values.is_contiguous()
 
     def weights(self) -> list[torch.Tensor]:
         """Every weight this body's products read (the fused ones as fused): what the product plan measures and packs."""
@@ -370,11 +402,25 @@ class LeanBody:
         cos, sin = cos[:, :, None], signed_sine(sin)[:, :, None]  # [B, n, 1, hd]: over q's and k's heads alike
         native, products, starts = self._native(b, n, mask, cache, layers, h.dtype)
         if native is not None:
-            (qkv, o, gate_up, down), codes, counts = products
             layer0 = self.layers[0][0]
-            return native.layers(h, cos, sin, mask, qkv, self._qkv_bias, o, gate_up, down, codes, counts, *self._norms, body.norm.weight,
-                                 layer0.input_layernorm.variance_epsilon, [c.keys for c in cache.layers], [c.values for c in cache.layers],
-                                 starts, int(cache.view), nh, nkv, hd, layer0.self_attn.scaling)
+            row = cache.row  # a prefill: that row of the cache is the one sequence's
+            keys = [c.keys if row is None else c.keys[row: row + 1] for c in cache.layers]
+            values = [c.values if row is None else c.values[row: row + 1] for c in cache.layers]
+
+            def rows(a: int, e: int, view: int, products) -> torch.Tensor:
+                (qkv, o, gate_up, down), codes, counts = products
+                return native.layers(h[:, a:e], cos[:, a:e], sin[:, a:e], mask[:, :, a:e, :view], qkv, self._qkv_bias, o, gate_up, down,
+                                     codes, counts, *self._norms, body.norm.weight, layer0.input_layernorm.variance_epsilon, keys, values,
+                                     [s + a for s in starts], view, nh, nkv, hd, layer0.self_attn.scaling)
+
+            if row is None or n <= PREFILL_ROWS:
+                return rows(0, n, int(cache.view), products)
+            # A long prompt a chunk of rows at a time, each reading the cells up to its own last
+            # (its mask is causal: the later ones are masked, and a masked key changes no bit of
+            # the native attention's sums), so the loop's work buffers, kept between forwards, stay
+            # a chunk's size.
+            return torch.cat([rows(a, min(n, a + PREFILL_ROWS), starts[0] + min(n, a + PREFILL_ROWS), self._products(min(n - a, PREFILL_ROWS)))
+                              for a in range(0, n, PREFILL_ROWS)], 1)
         want = set(layers or ())
         for i, (layer, qkv_w, qkv_b, gate_up) in enumerate(self.layers):
             if i in want:

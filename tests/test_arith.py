@@ -5,6 +5,8 @@ exact that is also `generate`'s. Tiny Llama targets whose weights are GGUF block
 types llama.cpp's Q4_K_M mix puts side by side (a fused q/k/v of Q4_K and Q6_K runs as parts)."""
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
 import torch
@@ -22,9 +24,10 @@ MIX = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q4_K", "
        "down_proj": "Q6_K", "lm_head": "Q6_K", "embed_tokens": "Q8_0"}
 
 
-def block_target(seed: int = 0, vocab: int = 300, fit: bool = False):
+def block_target(seed: int = 0, vocab: int = 300, fit: bool = False, mix: dict | None = None):
     """A tiny Llama (hidden 256, so K-quant rows fit) whose linears and embedding are held as
-    blocks only (loading.drop_floats), each weight the dequantization of its own blocks."""
+    blocks only (loading.drop_floats), each weight the dequantization of its own blocks, of the
+    types `mix` gives them (MIX's by default)."""
     from conftest import make_tiny_lm
 
     from eagle2_core import rowgemm
@@ -37,7 +40,7 @@ def block_target(seed: int = 0, vocab: int = 300, fit: bool = False):
     for mod_name, mod in model.named_modules():
         if not isinstance(mod, (torch.nn.Linear, torch.nn.Embedding)):
             continue
-        t = MIX[mod_name.rsplit(".", 1)[-1]]
+        t = (mix or MIX)[mod_name.rsplit(".", 1)[-1]]
         n, k = mod.weight.shape
         raw = blocks_of(t, n, k, rng)
         with torch.no_grad():
@@ -123,6 +126,10 @@ def int8_target():
     if not rowgemm.have_int8():
         pytest.skip("no int8 kernels built here")
     model, head = block_target(seed=1, vocab=48, fit=True)
+    from eagle2_core.target import TargetRunner
+
+    lean = TargetRunner(model).lean  # the fit asked transformers for hidden states: its hooks stay on the model, inert
+    assert lean is not None and lean.native_ok
     tiled = rowgemm.interleave(model)  # as a loaded GGUF target is held in int8, where this CPU takes it
     assert tiled == 0 or sum(rowgemm.blocks_of(w).tiled is not None for w in model.parameters() if rowgemm.blocks_of(w)) > 10
     return model, head
@@ -173,3 +180,122 @@ def test_int8_prefix_reuse_and_chunked_prefill_keep_plain_answers(int8_target):
         eng.prefill_chunk = 16
         out = _run(eng, [Request(0, [1, 2, 3], gen), Request(1, long_ids, gen)])
         assert out[1] == want
+
+
+# -- int8: a token's activations are the same bits on every path --------------------------------
+# A prompt's rows go through the native layer loop as decode steps and verifies do, so what a
+# kept prefix restores is what a whole prefill computes, and chunking changes no bit.
+def _uniform(t: str) -> dict:
+    return {name: t for name in MIX}
+
+
+TYPES = {"Q4_K_M": MIX, "Q4_0": _uniform("Q4_0"), "Q8_0": _uniform("Q8_0"), "Q5_1": _uniform("Q5_1"),
+         "Q5_K/Q6_K": {**_uniform("Q5_K"), "v_proj": "Q6_K", "down_proj": "Q6_K", "lm_head": "Q6_K"}}
+
+
+def _prefill(model, ids, cuts=(), batch: int = 1, row: int = 0, kept=None, reuse: int = 0):
+    """(last row's logits, the row's K/V per layer) of `ids` admitted into `row` of a `batch`-row
+    cycle (the other rows holding prompts of their own), in pieces ending at `cuts`, each piece
+    restoring the cells before it from the last one kept; `kept`/`reuse`: the first piece's restore."""
+    from eagle2_core import TreeSettings
+    from eagle2_core.cycle import Cycle, Slot
+    from eagle2_core.target import TargetRunner
+
+    cyc = Cycle(TargetRunner(model), None, TreeSettings(total_tokens=1), batch, len(ids) + 8)
+    got = {}
+
+    def pick(logits):
+        got["logits"] = logits.clone()
+        return 0
+
+    with cyc.session():
+        for b in range(batch):
+            if b != row:
+                cyc.admit(b, [(5 * b + 3 * i + 1) % 48 for i in range(6 + 9 * b)], Slot(b, None), pick)
+        start = reuse
+        for end in [c for c in cuts if c > start] + [len(ids)]:
+            cyc.admit(row, ids[:end], Slot("x", None), pick, kept, start)
+            if end < len(ids):
+                kept, start = cyc.kept_row(row, ids[:end]), end
+                cyc.release(row)
+        return got["logits"], cyc.cache.take(row, len(ids))
+
+
+def _same_bits(a, b) -> bool:
+    (la, kva), (lb, kvb) = a, b
+    return torch.equal(la, lb) and len(kva) == len(kvb) and all(torch.equal(x, y) for p, q in zip(kva, kvb) for x, y in zip(p, q))
+
+
+@pytest.mark.parametrize("types", list(TYPES))
+def test_int8_prompt_rows_are_the_same_bits_whole_chunked_restored_batched_and_decoded(types):
+    """int8: a prompt's last logits and every cell of its cache (each layer's K and V, so each
+    layer's activations) are bitwise the same prefilled whole, in chunks of 1, 3 and 7 rows,
+    after a prefix restored from another prompt's kept cells, in row 1 of three beside other
+    prompts, and where its cells were written by plain decoding steps instead."""
+    from eagle2_core import GenerationSettings, rowgemm
+    from eagle2_core.prefix import PrefixCache
+    from eagle2_core.engine import Engine
+
+    if not rowgemm.have_int8():
+        pytest.skip("no int8 kernels built here")
+    model = block_target(seed=2, vocab=48, mix=TYPES[types])
+    rowgemm.interleave(model)
+    ids = [(7 * i + 3) % 48 for i in range(41)]
+    with rowgemm.using_arithmetic("int8"):
+        whole = _prefill(model, ids)
+        for size in (1, 3, 7):
+            assert _same_bits(_prefill(model, ids, cuts=range(size, len(ids), size)), whole), f"chunks of {size}"
+        assert _same_bits(_prefill(model, ids, batch=3, row=1), whole), "row 1 of 3"
+        other = ids[:17] + [(5 * i) % 48 for i in range(20)]  # shares 17 ids, then parts
+        _, cells = _prefill(model, other)
+        from eagle2_core.prefix import Kept
+
+        assert _same_bits(_prefill(model, ids, kept=Kept(tuple(other), cells, None, 0), reuse=17), whole), "restored prefix"
+        # cells written by one-row decoding steps (the cycle's native loop with a longer view)
+        eng = Engine(model, None, batch=1, sources=(), prefix_cache=PrefixCache())
+        tokens, _ = eng.generate(ids[:20], GenerationSettings(max_new_tokens=12, eos_token_ids=()), keep=True)
+        kept, _ = eng.prefix.lookup(ids[:20] + tokens)
+        seq = list(kept.ids)
+        assert len(seq) == 31
+        assert _same_bits((torch.zeros(1), kept.target), (torch.zeros(1), _prefill(model, seq)[1]))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("sampling", list(GENS))
+def test_int8_speculation_with_kept_prefixes_is_plain_decoding_to_the_logprob_bit(int8_target, sampling, batch):
+    """int8, the prefix cache on: each turn of three conversations restores the last turn's cells
+    (its prompt prefilled, its answer verified) and prefills only what is new; its tokens and
+    every token's logprobs are bitwise those of plain decoding that prefills every turn whole,
+    one conversation at a time, at batch 1 and 3."""
+    from eagle2_core import GenerationSettings, rowgemm
+    from eagle2_core.engine import Request
+
+    model, head = int8_target
+    gen = GenerationSettings(**GENS[sampling], logprobs=2)
+    convs = [[[1, 5, 9, 2], [7, 3, 11], [4, 30, 12, 5]], [[6, 2], [8, 8, 1, 40, 3], [2]], [[33, 4, 9, 17, 5, 3], [12], [9, 9, 1]]]
+
+    def turns(eng, batch: int) -> dict:
+        out, ids = {}, [[] for _ in convs]
+        for t in range(3):
+            for c, conv in enumerate(convs):
+                ids[c] = ids[c] + conv[t]
+            if batch == 1:
+                done = {c: eng.generate(ids[c], gen, keep=True) for c in range(len(convs))}
+            else:
+                done = {}
+                eng.run(collections.deque(Request(c, ids[c], gen, keep=True) for c in range(len(convs))),
+                        lambda key, tokens, summary: done.__setitem__(key, (tokens, summary)))
+            for c, (tokens, summary) in done.items():
+                out[c, t] = (tokens, summary.logprobs, summary.cached_tokens, summary.target_forwards)
+                ids[c] = ids[c] + tokens
+        return out
+
+    with rowgemm.using_arithmetic("int8"):
+        plain = turns(_engine(model, head, 1), 1)
+        kept = turns(_engine(model, head, 12, batch=batch, prefix=True), batch)
+    assert all(kept[c, t][2] > 0 for c in range(len(convs)) for t in (1, 2))  # later turns restored earlier ones
+    assert all(plain[k][2] == 0 for k in plain)
+    assert sum(v[3] for v in kept.values()) < 0.9 * sum(len(v[0]) for v in kept.values())  # drafts were accepted
+    for k in plain:
+        assert kept[k][0] == plain[k][0], k
+        assert kept[k][1] == plain[k][1], k  # TokenLogprob's floats compared exactly

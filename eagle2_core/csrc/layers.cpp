@@ -10,6 +10,7 @@
 
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -223,6 +224,23 @@ static void attend_rows(const float* t, int64_t T, const float* K, const float* 
   }
 }
 
+// How many of the first `view` keys a block of rows reads: up to the last one any of them sees. A
+// key masked for every row (the lowest float or -inf) weighs an exact 0 and adds exact zeros to the
+// sums in key order, so the keys past the last seen one change no bit; a prefill's causal rows then
+// read only the keys before them (a whole view if a row sees none: its result stays what it was).
+static int64_t seen_keys(const float* mask, int64_t mask_row, int64_t mask_col, int64_t r0, int64_t rows, int64_t view) {
+  const float lowest = std::numeric_limits<float>::lowest();
+  int64_t last = 0;
+  for (int64_t b = 0; b < rows; ++b) {
+    const float* m = mask + (r0 + b) * mask_row;
+    int64_t j = view;
+    while (j > 0 && m[(j - 1) * mask_col] <= lowest) --j;
+    if (j == 0) return view;
+    last = std::max(last, j);
+  }
+  return last;
+}
+
 // Attention of each row's q heads over the first `view` cache slots: softmax(q.k * scale + mask) . v,
 // head h reading kv group h / (nh / nkv). Out: [n, nh * hd]. The mask is additive, [.., n, view].
 // Work items are (head, 4 rows); measured in one process against a row at a time (SmolLM2, 250
@@ -234,17 +252,19 @@ static void attend(const float* t, const float* keys, const float* values, const
   const int64_t T = (nh + 2 * nkv) * hd, group = nh / nkv;
   constexpr int64_t RB = 4;
   const int64_t chunks = (n + RB - 1) / RB;
+  std::vector<int64_t> seen(chunks);
+  for (int64_t c = 0; c < chunks; ++c) seen[c] = seen_keys(mask, mask_row, mask_col, c * RB, std::min(RB, n - c * RB), view);
   at::parallel_for(0, nh * chunks, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> p(RB * view);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t h = i / chunks, r0 = (i % chunks) * RB, rows = std::min(RB, n - r0);
+      const int64_t h = i / chunks, r0 = (i % chunks) * RB, rows = std::min(RB, n - r0), keys_read = seen[i % chunks];
       const float* K = keys + (h / group) * max_len * hd;
       const float* V = values + (h / group) * max_len * hd;
       switch (rows) {
-        case 4: attend_rows<4>(t, T, K, V, mask, mask_row, mask_col, h, r0, nh, hd, view, scale, out, p.data()); break;
-        case 3: attend_rows<3>(t, T, K, V, mask, mask_row, mask_col, h, r0, nh, hd, view, scale, out, p.data()); break;
-        case 2: attend_rows<2>(t, T, K, V, mask, mask_row, mask_col, h, r0, nh, hd, view, scale, out, p.data()); break;
-        default: attend_rows<1>(t, T, K, V, mask, mask_row, mask_col, h, r0, nh, hd, view, scale, out, p.data()); break;
+        case 4: attend_rows<4>(t, T, K, V, mask, mask_row, mask_col, h, r0, nh, hd, keys_read, scale, out, p.data()); break;
+        case 3: attend_rows<3>(t, T, K, V, mask, mask_row, mask_col, h, r0, nh, hd, keys_read, scale, out, p.data()); break;
+        case 2: attend_rows<2>(t, T, K, V, mask, mask_row, mask_col, h, r0, nh, hd, keys_read, scale, out, p.data()); break;
+        default: attend_rows<1>(t, T, K, V, mask, mask_row, mask_col, h, r0, nh, hd, keys_read, scale, out, p.data()); break;
       }
     }
   });
