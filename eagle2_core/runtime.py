@@ -172,8 +172,9 @@ class Runtime:
         costs = None
         if out.device.type == "cpu" and (head is not None or sources):
             # measured once per machine, model, dtype and threads, then cached: the default tree of a
-            # half-precision target and greedy acceptance's lm_head plan follow it
-            costs = load_or_measure(target.model, head)
+            # half-precision target and greedy acceptance's lm_head plan follow it. Before a first
+            # answer only the quick probes run; the per-cycle budget refines them from its cycles
+            costs = load_or_measure(target.model, head, quick=True)
         try:
             settings, auto, constant_tree = device_trees(out.device, out.dtype, costs, tree, compile)
         except ValueError as e:
