@@ -63,6 +63,19 @@ class CommonOptions:
         `sample_by_default=False` (compare): greedy unless --temperature says otherwise, even
         where the model's generation_config samples; its other settings still apply.
         `defer_layout`: see Runtime.load (the caller calls `settle` after its first answer)."""
+        import gc
+
+        # Imports and loading make millions of objects that live as long as the process, so the
+        # collector's passes over them are wasted start-up time; Runtime.load freezes them at the end
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return self._load(console, need_head, sample_by_default, defer_layout)
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _load(self, console, need_head: bool, sample_by_default: bool, defer_layout: bool):
         from eagle2_core.prompts import InputError, load_chat_template, text_problem
         from eagle2_core.runtime import Runtime
 
