@@ -72,6 +72,7 @@ class ChatApp:
         self.baseline_when = ""
         self.vanilla_turns = []    # vanilla Summaries of --compare turns
         self.baseline_due = False  # measure the start-up baseline after the first answer, which comes first
+        self.answered = False      # a first answer has been given: what loading deferred is due (`settle`)
 
     # -- baselines ----------------------------------------------------------------------------
     def measure_baseline(self, when: str) -> None:
@@ -105,6 +106,12 @@ class ChatApp:
             basis = "vs vanilla generate: runs after the answer (--compare)"
         return stats_panel(summary, tree_size, speedup, basis, title=title, extra=extra)
 
+    def settle(self) -> None:
+        """After the first answer, what loading left for later (the int8 layout: Runtime.settle);
+        a one-turn chat never pays for it."""
+        if self.answered and getattr(self.rt, "settle", None) is not None:
+            self.rt.settle()
+
     # -- one turn -----------------------------------------------------------------------------
     def answer(self, text: str) -> None:
         from eagle2_core.stats import first_difference
@@ -125,6 +132,8 @@ class ChatApp:
             self.conv.drop_last_user()
             error(self.err, f"the conversation is {len(ids)} tokens, the model's context is {rt.max_positions}; /reset to start over")
             return
+        self.settle()
+        self.answered = True
         detok = IncrementalDetokenizer(rt.tokenizer)
         live = LiveStats()
         summary, vanilla, extra, interrupted = None, None, None, False
@@ -306,6 +315,7 @@ class ChatApp:
                                 prompt_continuation="... ", input=pt_input, output=pt_output)
         self.err.print("[dim]/help for commands, Ctrl-D to quit[/]")
         while True:
+            self.settle()  # while the user reads the answer, not after they send the next turn
             try:
                 line = session.prompt(">>> ")
             except KeyboardInterrupt:
@@ -374,7 +384,7 @@ def chat(prompts, show_draft, compare_each, no_baseline, baseline_tokens, no_cal
     from .ui import consoles
 
     out, err = consoles()
-    rt = common.load(err)
+    rt = common.load(err, defer_layout=True)  # the int8 layout after the first answer (ChatApp.settle)
     constrain(rt, constraint)
     if not no_prefix_cache:
         from eagle2_core.prefix import PrefixCache

@@ -58,10 +58,24 @@ class CommonOptions:
     def tree_overrides(self) -> dict:
         return {"total_tokens": self.total_tokens, "depth": self.depth, "top_k": self.tree_top_k, "shape": self.draft_shape}
 
-    def load(self, console=None, need_head: bool = True, sample_by_default: bool = True):
+    def load(self, console=None, need_head: bool = True, sample_by_default: bool = True, defer_layout: bool = False):
         """Load model and head (a spinner on `console`, normally stderr) into a Runtime.
         `sample_by_default=False` (compare): greedy unless --temperature says otherwise, even
-        where the model's generation_config samples; its other settings still apply."""
+        where the model's generation_config samples; its other settings still apply.
+        `defer_layout`: see Runtime.load (the caller calls `settle` after its first answer)."""
+        import gc
+
+        # Imports and loading make millions of objects that live as long as the process, so the
+        # collector's passes over them are wasted start-up time; Runtime.load freezes them at the end
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return self._load(console, need_head, sample_by_default, defer_layout)
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _load(self, console, need_head: bool, sample_by_default: bool, defer_layout: bool):
         from eagle2_core.prompts import InputError, load_chat_template, text_problem
         from eagle2_core.runtime import Runtime
 
@@ -81,7 +95,8 @@ class CommonOptions:
                               trust_remote_code=self.trust_remote_code, tree=self.tree_overrides(),
                               gen_overrides=self.generation_overrides(), use_generation_config=self.generation_config,
                               sample_by_default=sample_by_default, system_prompt=self.system_prompt, chat_template=template,
-                              need_head=need_head, compile=self.compile, draft_sources=self.draft_sources, exact=self.exact)
+                              need_head=need_head, compile=self.compile, draft_sources=self.draft_sources, exact=self.exact,
+                              defer_layout=defer_layout)
         for line in rt.notices if console is not None else ():
             console.print(f"[yellow]note:[/] {line}", markup=True, highlight=False, soft_wrap=True)
         if need_head and rt.head_is_random and console is not None:

@@ -44,6 +44,7 @@ class CostProfile:
     stream_floor_ms: float | None = None    # reading every target weight once: what no verify can beat
     weight_bytes: int = 0                   # the target's weights, read by every forward
     measured_at: float = field(default_factory=time.time)
+    quick: bool = False                     # the quick probes only (measure.py), not the whole grid
 
     @property
     def plan(self):
@@ -101,7 +102,7 @@ class CostProfile:
                    draft_ms={int(k): float(v) for k, v in d["draft_ms"].items()},
                    lm_head_ms={int(k): float(v) for k, v in d.get("lm_head_ms", {}).items()}, measured_at=float(d.get("measured_at", 0)),
                    products={c: {int(k): {kn: float(ms) for kn, ms in v.items()} for k, v in by.items()} for c, by in d.get("products", {}).items()},
-                   stream_floor_ms=d.get("stream_floor_ms"), weight_bytes=int(d.get("weight_bytes", 0)))
+                   stream_floor_ms=d.get("stream_floor_ms"), weight_bytes=int(d.get("weight_bytes", 0)), quick=bool(d.get("quick", False)))
 
 
 def _table(points: dict[int, float], n_max: int) -> torch.Tensor:

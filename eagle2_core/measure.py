@@ -28,17 +28,19 @@ from .tree import batch_trees
 from .treesettings import BATCH_DEPTH, BATCH_TOP_K, TreeSettings
 
 
-PROBE_MS = 3000  # what the whole verify grid may take before a first answer; past it, QUICK_* sizes
+PROBE_MS = 3000  # what the whole verify grid may take when asked for; past it, QUICK_* sizes
 QUICK_VERIFY_ROWS = (1, 4, 16)
 QUICK_DRAFT_ROWS = (1, 4, 10)
+QUICK_CONTEXT = 4  # the prompt the quick probes verify after: its prefill is the probes' one warm-up
 
 
-def _timed(fns: dict, rounds: int) -> dict:
+def _timed(fns: dict, rounds: int, warm: bool = True) -> dict:
     """Median ms of each function, timed in interleaved rounds (every function once per round),
     so that a slow stretch of a shared or throttling machine lands on all of them alike rather
-    than on whichever size was being timed then."""
+    than on whichever size was being timed then. `warm` False: no warm-up call of each (the
+    quick probes, whose caller warmed the path once)."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for fn in fns.values():
+    for fn in fns.values() if warm else ():
         fn()  # warm-up
     times = {k: [] for k in fns}
     for _ in range(rounds):
@@ -52,8 +54,12 @@ def _timed(fns: dict, rounds: int) -> dict:
 
 
 @torch.no_grad()
-def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS, reps: int = 5) -> CostProfile:
-    """Time the target's tree forward (with lm_head over every row) and one draft step."""
+def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS, reps: int = 5, quick: bool = False) -> CostProfile:
+    """Time the target's tree forward (with lm_head over every row) and one draft step.
+
+    `quick`: the few probes a first answer starts from (QUICK_* sizes, one timing each, after a
+    prompt of QUICK_CONTEXT tokens, no stream floor), which the per-cycle budget then refines
+    from the cycles' own timings (budget.BudgetChooser); `eagle2 tune` measures the whole grid."""
     run = TargetRunner(model)
     dev = run.device
     # First which kernel each product takes (rowgemm.py): every timing below runs under that plan,
@@ -67,7 +73,11 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
     stream, weight_bytes = stream_reader(model)
     # Stay inside the model's context: no position at or past max_position_embeddings is run
     # (a short-context model measures fewer tree sizes; the table extrapolates beyond them).
-    context = min(CONTEXT, run.max_positions // 2)
+    context = min(QUICK_CONTEXT if quick else CONTEXT, run.max_positions // 2)
+    if quick:
+        verify_rows = [n for n in QUICK_VERIFY_ROWS if n in verify_rows] or [1]
+        draft_rows = [k for k in QUICK_DRAFT_ROWS if k in draft_rows] or list(draft_rows)[:1]
+        reps, stream = 1, None
     verify_rows = [n for n in verify_rows if context + n <= run.max_positions] or [1]
     ctx = torch.randint(0, min(1000, text_config(model.config).vocab_size),
                         (max(context, max(verify_rows)),), device=dev)
@@ -89,23 +99,24 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
         # drifts by a fifth within minutes, their ratio is only meaningful measured side by side.
         # A large target is probed at a few sizes (the table interpolates between them): the whole
         # grid would cost minutes before a first answer (a 1-row verify of an 8B target takes ~0.3 s)
-        one = _timed({1: verify_fn(1)}, 1)[1]
         lm_rows = LM_HEAD_ROWS
-        if one * len(verify_rows) * (reps + 1) > PROBE_MS:
+        if quick:
+            lm_rows = tuple(n for n in LM_HEAD_ROWS if n in QUICK_VERIFY_ROWS)
+        elif _timed({1: verify_fn(1)}, 1)[1] * len(verify_rows) * (reps + 1) > PROBE_MS:
             lm_rows = tuple(n for n in LM_HEAD_ROWS if n in QUICK_VERIFY_ROWS)
             verify_rows = [n for n in QUICK_VERIFY_ROWS if n in verify_rows] or [1]
             draft_rows = [k for k in QUICK_DRAFT_ROWS if k in draft_rows] or list(draft_rows)[:1]
             reps, stream = 2, None  # the stream floor (tune's figure) reads every weight: not before a first answer
-        verify = _timed({n: verify_fn(n) for n in verify_rows} | ({"floor": stream} if stream else {}), reps)
+        verify = _timed({n: verify_fn(n) for n in verify_rows} | ({"floor": stream} if stream else {}), reps, warm=not quick)
         floor_ms = verify.pop("floor", None)
         # lm_head alone, as acceptance applies it (the product plan's kernel)
         hid = torch.randn(max(LM_HEAD_ROWS), text_config(model.config).hidden_size, device=dev, dtype=run.dtype)
-        lm_head = _timed({n: (lambda n=n: run.logits(hid[:n]).argmax(-1)) for n in lm_rows}, reps)
+        lm_head = _timed({n: (lambda n=n: run.logits(hid[:n]).argmax(-1)) for n in lm_rows}, reps, warm=not quick)
         # One draft step over k nodes, with the prompt in the head's own cache (none without a head:
         # head-free sources draft on the host, and the chooser learns that time from real cycles).
         if head is None:
             return CostProfile(key=profile_key(model, head), verify_ms=verify, draft_ms={}, lm_head_ms=lm_head, products=products,
-                               stream_floor_ms=floor_ms, weight_bytes=weight_bytes)
+                               stream_floor_ms=floor_ms, weight_bytes=weight_bytes, quick=quick)
         front = torch.zeros(1, max(draft_rows), head.spec.hidden_size, device=dev, dtype=head.fc.weight.dtype)
 
         def draft_fn(k):
@@ -116,9 +127,9 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
                 torch.topk(logp, 4, dim=-1)
             return step
 
-        draft = _timed({k: draft_fn(k) for k in draft_rows}, reps)
+        draft = _timed({k: draft_fn(k) for k in draft_rows}, reps, warm=not quick)
     return CostProfile(key=profile_key(model, head), verify_ms=verify, draft_ms=draft, lm_head_ms=lm_head, products=products,
-                       stream_floor_ms=floor_ms, weight_bytes=weight_bytes)
+                       stream_floor_ms=floor_ms, weight_bytes=weight_bytes, quick=quick)
 
 
 def measure_products(weights: list[torch.Tensor], rows=PRODUCT_ROWS, reps: int = 5) -> dict:
@@ -220,10 +231,13 @@ def _cached(path: str, key: dict, from_json, measure, what: str, remeasure: bool
     return table, False
 
 
-def load_or_measure(model, head, remeasure: bool = False) -> CostProfile:
-    """The cached profile for this (model, dtype, device, threads, versions), else a fresh one."""
+def load_or_measure(model, head, remeasure: bool = False, quick: bool = False) -> CostProfile:
+    """The cached profile for this (model, dtype, device, threads, versions), else a fresh one:
+    the whole grid, or with `quick` (what a command measures before its first answer) the quick
+    probes alone (measure_profile). Either kind, once cached, serves both."""
     key = profile_key(model, head)
-    prof, cached = _cached(_cache_path(key), key, CostProfile.from_json, lambda: measure_profile(model, head), "cost profile", remeasure)
+    prof, cached = _cached(_cache_path(key), key, CostProfile.from_json, lambda: measure_profile(model, head, quick=quick),
+                           "cost profile", remeasure)
     if cached:
         rowgemm.install_plan(prof.plan)  # a fresh measurement installed it already
         rowgemm.prepare(product_weights(model, head))

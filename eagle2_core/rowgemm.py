@@ -457,7 +457,9 @@ def interleave(model: nn.Module) -> int:
     """Give every block weight of `model` that the int8 kernel reads interleaved here (K-quants
     under AVX-512, a multiple of 16 rows) its interleaved copy, once; the file's pages behind the
     original are handed back to the page cache (a mapped view is read again only by the exact
-    kernel, `generate`'s rebuilt floats or an embedding look-up). Bytes interleaved."""
+    kernel, `generate`'s rebuilt floats or an embedding look-up). Bytes interleaved. Either
+    layout gives the same bits, so this may come after products have run (chat's first answer)."""
+    global EPOCH
     mod = native.module()
     if mod is None or not hasattr(mod, "int8_interleaves"):
         return 0
@@ -472,6 +474,8 @@ def interleave(model: nn.Module) -> int:
         done += bw.blocks.numel()
         if bw.mapped:
             _drop_pages(bw.blocks)
+    if done:
+        EPOCH += 1  # the native loop's cached operands still name the file's layout
     return done
 
 

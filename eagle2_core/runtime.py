@@ -76,12 +76,13 @@ def choose_arithmetic(target: LoadedTarget, exact: bool) -> tuple[str, str | Non
     return "int8", None
 
 
-def apply_arithmetic(target: LoadedTarget, exact: bool) -> tuple[str, str | None]:
+def apply_arithmetic(target: LoadedTarget, exact: bool, interleave: bool = True) -> tuple[str, str | None]:
     """choose_arithmetic, then set it; in int8 the target's block weights get the layout the int8
-    kernel streams (rowgemm.interleave), before anything is timed."""
+    kernel streams (rowgemm.interleave), before anything is timed, unless `interleave` is False
+    (the caller interleaves later: the same bits, a copy of every weight saved before a first answer)."""
     arith, why = choose_arithmetic(target, exact)
     rowgemm.set_arithmetic(arith)
-    if arith == "int8":
+    if arith == "int8" and interleave:
         rowgemm.interleave(target.model)
     return arith, why
 
@@ -134,6 +135,7 @@ class Runtime:
     # and head only, not on the tree or the generation settings. None: every prompt prefilled whole
     prefix_cache: object = field(default=None, repr=False)
     arithmetic: str = "exact"  # the products' arithmetic (rowgemm.ARITHMETICS): int8 or exact
+    layout_due: bool = False  # int8 weights not yet in the kernel's interleaved layout (`settle`)
 
     @classmethod
     def load(cls, model: str | None = None, draft: str | None = None, *, dtype: str = "auto", device: str = "auto",
@@ -141,16 +143,19 @@ class Runtime:
              trust_remote_code: bool = False, tree: dict | None = None, gen: GenerationSettings | None = None,
              system_prompt: str | None = None, chat_template: str | None = None, need_head: bool = True,
              compile: bool | None = None, gen_overrides: dict | None = None, use_generation_config: bool = True,
-             sample_by_default: bool = True, draft_sources: str | None = None, exact: bool = False) -> "Runtime":
+             sample_by_default: bool = True, draft_sources: str | None = None, exact: bool = False,
+             defer_layout: bool = False) -> "Runtime":
         """`gen` is used as given; without it the settings come from the model's generation_config
-        with `gen_overrides` (the user's flags, None = not given) on top (sampling.settings_from_model)."""
+        with `gen_overrides` (the user's flags, None = not given) on top (sampling.settings_from_model).
+        `defer_layout`: int8 weights stay in the file's layout until `settle` (a chat's first
+        answer comes before the copy of every weight)."""
         try:  # a bad EAGLE2_KERNEL is said before anything loads
             rowgemm.env_forced()
         except ValueError as e:
             raise LoadError(str(e)) from None
         target = load_target(model, dtype=dtype, device=device, device_map=device_map, load_in_8bit=load_in_8bit,
                              load_in_4bit=load_in_4bit, trust_remote_code=trust_remote_code)
-        arith, why = apply_arithmetic(target, exact)  # before the cost profile: its key names the arithmetic
+        arith, why = apply_arithmetic(target, exact, interleave=not defer_layout)  # before the cost profile: its key names the arithmetic
         if why:
             target.notes = list(target.notes or []) + [why]
         model_gen = getattr(target.model, "generation_config", None)
@@ -172,8 +177,9 @@ class Runtime:
         costs = None
         if out.device.type == "cpu" and (head is not None or sources):
             # measured once per machine, model, dtype and threads, then cached: the default tree of a
-            # half-precision target and greedy acceptance's lm_head plan follow it
-            costs = load_or_measure(target.model, head)
+            # half-precision target and greedy acceptance's lm_head plan follow it. Before a first
+            # answer only the quick probes run; the per-cycle budget refines them from its cycles
+            costs = load_or_measure(target.model, head, quick=True)
         try:
             settings, auto, constant_tree = device_trees(out.device, out.dtype, costs, tree, compile)
         except ValueError as e:
@@ -192,9 +198,15 @@ class Runtime:
             # collection first: it found 32 unreachable objects after loading SmolLM2 (RSS
             # unchanged) and took 0.2-0.3 s of every start-up.
             gc.freeze()
-        return cls(target, head, settings, gen, system_prompt, chat_template, arithmetic=arith,
+        return cls(target, head, settings, gen, system_prompt, chat_template, arithmetic=arith, layout_due=arith == "int8" and defer_layout,
                    draft_name=("none" if head is None and (need_head or tree.get("total_tokens") == 1) else draft or default_head_for(target.name) or ""), costs=costs,
                    compile=backend, graph=graph, auto_tree=auto, constant_tree=constant_tree, notices=notices, sources=sources)
+
+    def settle(self) -> None:
+        """What loading left for after a first answer: the int8 kernel's layout (`defer_layout`)."""
+        if self.layout_due:
+            self.layout_due = False
+            rowgemm.interleave(self.model)
 
     @property
     def auto_max(self) -> int:

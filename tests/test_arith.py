@@ -299,3 +299,26 @@ def test_int8_speculation_with_kept_prefixes_is_plain_decoding_to_the_logprob_bi
     for k in plain:
         assert kept[k][0] == plain[k][0], k
         assert kept[k][1] == plain[k][1], k  # TokenLogprob's floats compared exactly
+
+
+def test_int8_layout_interleaved_between_answers_gives_the_same_answers():
+    """chat answers first from the file's layout and interleaves after (Runtime.settle): an engine
+    that answered before the interleave answers the same after it, and then reads the tiles."""
+    from eagle2_core import GenerationSettings, rowgemm
+    from eagle2_core.target import TargetRunner
+
+    if not rowgemm.have_int8():
+        pytest.skip("no int8 kernels built here")
+    model, head = block_target(seed=2, vocab=48), None
+    gen = GenerationSettings(max_new_tokens=10, eos_token_ids=())
+    with rowgemm.using_arithmetic("int8"):
+        plain, eng = _engine(model, head, 1), _engine(model, head, 1)
+        before = [eng.generate(ids, gen)[0] for ids in PROMPTS]
+        if rowgemm.interleave(model) == 0:
+            pytest.skip("this CPU's int8 kernel reads no interleaved layout")
+        after = [eng.generate(ids, gen)[0] for ids in PROMPTS]
+        assert after == before == [plain.generate(ids, gen)[0] for ids in PROMPTS]
+        tiled = {id(rowgemm.blocks_of(w).tiled) for w in model.parameters() if rowgemm.blocks_of(w) is not None}
+        lean = TargetRunner(model).lean
+        read = [t for _, _, (tensors, _, _) in lean._packs.values() for kind in tensors for t in kind]
+        assert read and all(id(t) in tiled for t in read)  # the native loop's cached operands were renewed

@@ -86,6 +86,30 @@ def test_profile_cache_remeasures_on_a_new_key_and_ignores_a_corrupt_file(tmp_pa
     assert json.load(open(path))["verify_ms"]  # rewritten whole
 
 
+def test_quick_probes_measure_few_sizes_once_and_serve_later_loads(tmp_path, monkeypatch, tiny_lm):
+    """What a command measures before its first answer (load_or_measure(quick=True)): the quick
+    sizes, one timing each after a short prompt, no stream floor; cached and marked so, it serves
+    the next load of either kind, and `eagle2 tune`'s remeasure replaces it with the whole grid."""
+    import eagle2_core.measure as measure
+    from eagle2_core.cycle import Cycle
+
+    monkeypatch.setenv("EAGLE2_CACHE", str(tmp_path))
+    model = tiny_lm("llama", vocab_size=VOCAB, max_position_embeddings=MAXPOS)
+    verifies, prompts = [], []
+    real_verify, real_admit = Cycle.tree_argmax, Cycle.admit
+    monkeypatch.setattr(Cycle, "tree_argmax", lambda self, ids, *a, **k: verifies.append(ids.shape[-1]) or real_verify(self, ids, *a, **k))
+    monkeypatch.setattr(Cycle, "admit", lambda self, row, ids, *a, **k: prompts.append(len(ids)) or real_admit(self, row, ids, *a, **k))
+    quick = measure.load_or_measure(model, None, quick=True)
+    assert quick.quick and sorted(quick.verify_ms) == list(measure.QUICK_VERIFY_ROWS) and quick.stream_floor_ms is None
+    assert sorted(verifies) == sorted(measure.QUICK_VERIFY_ROWS) and prompts == [measure.QUICK_CONTEXT]  # no warm-up per size
+    assert sorted(quick.lm_head_ms) == [n for n in measure.LM_HEAD_ROWS if n in measure.QUICK_VERIFY_ROWS]
+    verifies.clear()
+    again = measure.load_or_measure(model, None)  # a later load, quick or not, finds it cached
+    assert again.quick and again.verify_ms == pytest.approx(quick.verify_ms, abs=1e-3) and not verifies
+    full = measure.load_or_measure(model, None, remeasure=True)
+    assert not full.quick and len(full.verify_ms) > len(measure.QUICK_VERIFY_ROWS) and full.stream_floor_ms is not None
+
+
 def test_cli_tune_and_compare_against_auto(tmp_path, monkeypatch, tiny_model_dir, tiny_head_dir):
     from click.testing import CliRunner
 

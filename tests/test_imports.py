@@ -6,7 +6,11 @@ depends on x, not on the package's __init__ (which imports the engine for caller
 from __future__ import annotations
 
 import ast
+import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import eagle2_core
 
@@ -98,3 +102,44 @@ def test_eagle2_core_has_no_import_cycle():
     assert "eagle2_core.engine" not in graph["eagle2_core.measure"] | graph["eagle2_core.cycle"] | graph["eagle2_core.costs"]
     assert "eagle2_core.measure" not in graph["eagle2_core.costs"] | graph["eagle2_core.cycle"]
     assert "eagle2_core.cycle" not in graph["eagle2_core.kvcache"] | graph["eagle2_core.costs"]
+
+
+# -- what an import pulls in: start-up time is mostly imports (torch and transformers' model code)
+def imported(modules: list[str], watched: list[str]) -> list[str]:
+    """Which of `watched` are in sys.modules after a fresh interpreter imports `modules`."""
+    code = ("import importlib, json, sys\nfor m in sys.argv[2:]: importlib.import_module(m)\n"
+            "print(json.dumps([w for w in json.loads(sys.argv[1]) if w in sys.modules]))")
+    root = str(ROOT.parent)
+    r = subprocess.run([sys.executable, "-c", code, json.dumps(watched), *modules], capture_output=True, text=True, timeout=300,
+                       cwd=root, env={**os.environ, "PYTHONPATH": root})
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+HEAVY = ["torch", "numpy", "transformers", "transformers.modeling_utils", "accelerate", "bitsandbytes", "starlette", "uvicorn",
+         "gguf", "prompt_toolkit", "llguidance", "matplotlib", "datasets"]
+CLI_MODULES = ["eagle2_cli.main", "eagle2_cli.chat_cmd", "eagle2_cli.generate_cmd", "eagle2_cli.compare_cmd", "eagle2_cli.serve_cmd",
+               "eagle2_cli.tune_cmd", "eagle2_cli.train_cmd", "eagle2_cli.options", "eagle2_cli.ui"]
+
+
+def test_the_import_watch_sees_an_import():
+    """The check can fail: a module that imports json is seen to."""
+    assert imported(["json"], ["json", "smtplib"]) == ["json"]
+    assert "torch" in imported(["eagle2_core.rowgemm"], HEAVY)
+
+
+def test_package_and_cli_imports_are_light():
+    """`import eagle2_core` and the CLI's modules (what `eagle2 --help` and shell completion load)
+    import none of the heavy libraries: each comes inside the function that needs it."""
+    cli = [m for m in CLI_MODULES if (ROOT.parent / (m.replace(".", "/") + ".py")).is_file()]
+    assert imported(["eagle2_core", "eagle2_core.prompts"], HEAVY) == []
+    assert imported(cli, HEAVY) == []
+
+
+def test_loading_a_target_imports_no_server_or_optional_library():
+    """What every command loads before its first answer (runtime, the engine, GGUF loading) imports
+    transformers' model code, but not the server's, bitsandbytes, the structured-output
+    library, plotting or datasets: those wait for the command that uses them."""
+    got = imported(["eagle2_core.runtime", "eagle2_core.ggufload", "eagle2_core.chat"],
+                   ["starlette", "uvicorn", "bitsandbytes", "llguidance", "matplotlib", "datasets", "prompt_toolkit"])
+    assert got == []
