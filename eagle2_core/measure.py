@@ -187,12 +187,6 @@ def stream_reader(model):
     return (lambda: [w.sum() for w in ws]), nbytes
 
 
-def measure_stream_floor(model, reps: int = 5) -> tuple[float | None, int]:
-    """(ms to read every target weight once, their bytes), timed alone."""
-    fn, nbytes = stream_reader(model)
-    return (_timed({"stream": fn}, reps)["stream"] if fn else None), nbytes
-
-
 def _cache_path(key: dict) -> str:
     from .loading import cache_dir
 

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from eagle2_core import Eagle2Decoder, GenerationSettings, TreeSettings
+from eagle2_core import Engine, GenerationSettings, TreeSettings
 from eagle2_core.vanilla import VanillaDecoder
 
 VOCAB, MAXPOS = 12, 48
@@ -64,7 +64,7 @@ def require_bnb():
 
 def compare_with_vanilla(model, head, n_prompts: int = 8, seed: int = 8):
     """(prompts identical, prompts run, accepted histogram) of EAGLE-2 vs VanillaDecoder, greedy."""
-    dec = Eagle2Decoder(model, head, tree=TreeSettings(total_tokens=10, depth=4, top_k=3))
+    dec = Engine(model, head, tree=TreeSettings(total_tokens=10, depth=4, top_k=3))
     van = VanillaDecoder(model)
     rng = random.Random(seed)
     hist, same, diffs = [0] * 5, 0, []

@@ -50,7 +50,7 @@ import torch
 
 import eagle2_core.cycle as cycle_mod
 import eagle2_core.engine as engine_mod
-from eagle2_core import Eagle2Decoder, GenerationSettings, TreeSettings
+from eagle2_core import Engine, GenerationSettings, TreeSettings
 from eagle2_core.head import DraftHead, HeadSpec
 from eagle2_core.sampling import TargetProcessors, make_warpers, target_probs
 
@@ -78,7 +78,7 @@ def env(tiny_lm):
                     initializer_range=0.3, logit_scale=1.0)
     torch.manual_seed(2)
     head = DraftHead(HeadSpec.for_target(model.config)).bind(model)
-    dec = Eagle2Decoder(model, head, tree=TreeSettings(shape="dynamic", total_tokens=8, depth=3, top_k=3))
+    dec = Engine(model, head, tree=TreeSettings(shape="dynamic", total_tokens=8, depth=3, top_k=3))
     return dict(model=model, dec=dec, laws={})
 
 

@@ -159,8 +159,3 @@ def load_features(out_dir: str, keys: tuple[str, ...] = ("hidden", "input_ids", 
             seqs.append({k: d[k][start : start + n] for k in keys})
             start += n
     return seqs
-
-
-def feature_layers_of(path: str) -> list[int]:
-    """The layers a shard's `fused` features were taken from ([] if none)."""
-    return json.loads(shard_metadata(path).get("layers", "[]"))
