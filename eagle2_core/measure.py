@@ -86,9 +86,9 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
             return one
 
         # The stream floor in the same interleaved rounds as the verifies: on a VM whose speed
-        # drifts by a fifth within minutes, their ratio is only meaningful measured side by side.
+        # drifts within minutes, their ratio is only meaningful measured side by side.
         # A large target is probed at a few sizes (the table interpolates between them): the whole
-        # grid would cost minutes before a first answer (a 1-row verify of an 8B target takes ~0.3 s)
+        # grid would cost minutes before a first answer (a large target's verify is slow even at one row)
         one = _timed({1: verify_fn(1)}, 1)[1]
         lm_rows = LM_HEAD_ROWS
         if one * len(verify_rows) * (reps + 1) > PROBE_MS:

@@ -204,7 +204,8 @@ def test_row_int8_product_is_bitwise_the_float32_product_over_scale_times_q():
     """`--load-in-8bit` on a CPU: int8 rows with a float32 scale each; the block product is the
     float32 stream product over `scale * q` at every row count (so speculation is exact against
     the 8-bit model's plain decoding), and the quantization is absmax per row."""
-    from eagle2_core.quantization import ROW_I8, rebuild_row_int8, row_int8
+    from eagle2_core.quantization import ROW_I8, row_int8
+    from int8_reference import rebuild_row_int8
 
     mod = native.module()
     torch.manual_seed(5)
@@ -231,7 +232,8 @@ def test_row_int8_product_is_bitwise_the_float32_product_over_scale_times_q():
 def test_block_rows_rebuild_the_dequantized_rows_bitwise(name):
     """An embedding lookup, or the float32 weight `generate` runs, from the blocks: gguf-py's
     dequantization (scale * q for ROW_I8) of exactly the rows asked for, into a buffer or not."""
-    from eagle2_core.quantization import ROW_I8, rebuild_row_int8, row_int8
+    from eagle2_core.quantization import ROW_I8, row_int8
+    from int8_reference import rebuild_row_int8
 
     mod = native.module()
     k = 512 if name in K_QUANTS else 96
