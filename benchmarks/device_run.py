@@ -1,15 +1,15 @@
-"""The prepared device session: what to run, first, whenever a GPU is lent.
+"""The GPU run: one short, prepared run on a remote GPU machine, rehearsed here on the CPU.
 
-A lent GPU comes with hard limits (the device tool; docs/gpu.md): about 15 minutes of device time
-in all, start-up included; 64 MiB of working tree per call; at most 8 returned files of 16 MiB,
-64 MiB in all; the machine's own torch 2.11 and transformers 5.17, no gguf. Nothing may be
-improvised then, so everything is laid out here beforehand and rehearsed on the CPU:
+The machine is bare and far away (docs/gpu.md): about 15 minutes of GPU time in all, start-up
+included; at most 64 MiB of working tree travels per command; at most 8 files of 16 MiB, 64 MiB
+in all, come back; its own torch 2.11 and transformers 5.17, no gguf. Nothing can be improvised
+there, so the commands, their inputs and the run itself are laid out here beforehand:
 
     python3 benchmarks/device_run.py prepare            # here: GGUF pieces, wheels, prompts under .device/
-    python3 benchmarks/device_run.py calls              # the device calls, in order, with their carry sizes
+    python3 benchmarks/device_run.py calls              # the remote commands, in order, with what each sends
     python3 benchmarks/device_run.py run --dry-run --out /tmp/dry   # the whole run on the CPU, a tiny slice
 
-`run` on the device (the third call of `calls`), given a time budget, does in order, writing
+`run` on the GPU (the third command of `calls`), given a time budget, does in order, writing
 under --out as it goes, so a run cut short still returns what it made:
   a. self-distillation of SmolLM2-135M-Instruct on ShareGPT first turns, bf16, large batches,
      alternating with training an EAGLE-3 head on everything distilled so far (the features stay
@@ -23,7 +23,7 @@ Only the library's public entry points are used (load_target, generate_batch, tr
 held_out_eval, read/build head), so refactors of the engine cannot break it unseen: the suite
 runs `plan` (tests/test_device_run.py) and the dry run exercises the rest.
 
-After the run: `python3 benchmarks/device_run.py unpack FILES_AT --to heads/smollm2-gpu`, then
+After the run: `python3 benchmarks/device_run.py unpack RETURNED_DIR --to heads/smollm2-gpu`, then
 measure the head against the shipped one on the CPU (docs/gpu.md).
 """
 from __future__ import annotations
@@ -45,8 +45,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 MIB = 2**20
-# The device tool's limits (its README and docs/gpu.md): what travels per call, what comes back.
-TREE_LIMIT = 64 * MIB          # working tree + carried paths, per call
+# The remote machine's limits (docs/gpu.md): what travels per command, what comes back.
+TREE_LIMIT = 64 * MIB          # working tree + carried paths, per command
 FILE_LIMIT = 16 * MIB          # one returned file
 FILES_LIMIT = 8                # returned files
 BACK_LIMIT = 64 * MIB          # returned in all
@@ -202,8 +202,8 @@ def prepare(args) -> None:
 
 
 def device_calls() -> list[dict]:
-    """The calls in order: each carries what it names; the GGUF pieces are copied to /tmp on the
-    warm machine (it goes back after 30 s idle: make the calls one after the other)."""
+    """The remote commands in order: each sends what it names; the GGUF pieces are copied to /tmp on
+    the machine, which keeps them only while it stays in use (run the commands one after the other)."""
     pieces = sorted(glob.glob(os.path.join(ROOT, DEVICE_DIR, "gguf.*")))
     rel = [os.path.relpath(p, ROOT) for p in pieces]
     out = [{"carry": [r], "command": f"mkdir -p /tmp/dev && cp {r} /tmp/dev/ && nvidia-smi -L && python3 -c 'import torch; print(torch.__version__)'"}
@@ -416,9 +416,9 @@ def unpack(args) -> None:
     """The returned pieces joined and unpacked: the head folder lands at --to."""
     import io
 
-    pieces = sorted(glob.glob(os.path.join(args.files_at, "head.tar.*")))
+    pieces = sorted(glob.glob(os.path.join(args.returned_dir, "head.tar.*")))
     if not pieces:
-        raise SystemExit(f"{args.files_at}: no head.tar.* pieces")
+        raise SystemExit(f"{args.returned_dir}: no head.tar.* pieces")
     data = b"".join(open(p, "rb").read() for p in pieces)
     with tarfile.open(fileobj=io.BytesIO(data)) as t:
         names = t.getnames()
@@ -439,7 +439,7 @@ def main() -> None:
     p = sub.add_parser("prepare", help="lay out the GGUF pieces, wheels and prompts under .device/ (here)")
     p.add_argument("--gguf", help="default: the embedded SmolLM2 GGUF")
     p.add_argument("--prompts", type=int, default=20000, help="ShareGPT first turns to carry")
-    sub.add_parser("calls", help="the device calls in order, with their carry sizes")
+    sub.add_parser("calls", help="the remote commands in order, with what each sends")
     p = sub.add_parser("plan", help="print the run's plan for a budget")
     p.add_argument("--budget-s", type=float, default=420)
     p.add_argument("--arch", default="eagle3", choices=("eagle2", "eagle3"))
@@ -453,7 +453,7 @@ def main() -> None:
     p.add_argument("--work", help="scratch folder (default /tmp/eagle2_device_run)")
     p.add_argument("--dry-run", action="store_true")
     p = sub.add_parser("unpack", help="join the returned head pieces and unpack the head")
-    p.add_argument("files_at")
+    p.add_argument("returned_dir", help="the folder holding the files the run returned")
     p.add_argument("--to", required=True)
     args = ap.parse_args()
     if args.cmd == "plan":

@@ -10,7 +10,7 @@ import torch, json, random, time
 torch.set_num_threads(1)
 from eagle2_core.runtime import Runtime
 from eagle2_core.train.data import read_conversations, render, ReadReport
-from eagle2_core.tree import causal_attention_bias
+from eagle2_core.tree import additive
 rt = Runtime.load(None, None)
 model, tok, head = rt.model, rt.tokenizer, rt.head
 convs = read_conversations(os.environ["SHAREGPT"], ReadReport())
@@ -40,7 +40,7 @@ with torch.no_grad():
         m = torch.tensor(mask, dtype=torch.bool)
         n = len(ids) - 1
         pos = torch.arange(n)[None]
-        bias = causal_attention_bias(n, 0, torch.float32, "cpu")
+        bias = additive(torch.ones(n, n, dtype=torch.bool).tril(), torch.float32)  # causal
         for k, f in (("fp32", lambda z: z), ("bf16", q_bf16), ("fp8", q_fp8), ("int8", q_int8)):
             feats = f(h)
             if k != "fp32":

@@ -329,7 +329,7 @@ class ChatApp:
                 continue
 
 
-FLOATS_TOO_DEAR = 2e9  # float32 bytes a `generate` baseline may rebuild every step (a 1.7B model's: ~1 s a token)
+FLOATS_TOO_DEAR = 2e9  # float32 bytes a `generate` baseline may rebuild every step: a 1.7B model's already makes its tokens slow
 
 
 def key_bindings():

@@ -1,8 +1,6 @@
 """`eagle2`: lossless EAGLE-2 speculative decoding for Hugging Face causal LMs."""
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -13,6 +11,9 @@ from .chat_cmd import chat
 from .compare_cmd import compare
 from .generate_cmd import generate
 from .options import UserInputError
+from .serve_cmd import serve
+from .train_cmd import train
+from .tune_cmd import tune
 
 
 def _version() -> str:
@@ -77,31 +78,6 @@ def cli():
 cli.add_command(chat)
 cli.add_command(generate)
 cli.add_command(compare)
-
-
-def _register_optional(module: str, name: str) -> None:
-    """Add a command from a module that may not exist yet (another developer's `train`)."""
-    if importlib.util.find_spec(f"eagle2_cli.{module}") is None:
-        return
-    try:
-        mod = importlib.import_module(f"eagle2_cli.{module}")
-    except Exception as e:  # a broken optional command must not break the others
-        err = f"{type(e).__name__}: {e}"
-
-        @click.command(name, help=f"(unavailable: {err})", context_settings={"ignore_unknown_options": True})
-        @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-        def unavailable(args):
-            raise click.ClickException(f"`eagle2 {name}` could not be loaded: {err}")
-
-        cli.add_command(unavailable)
-        return
-    cmd = getattr(mod, name, None)
-    if not isinstance(cmd, click.Command):
-        cmd = next((v for v in vars(mod).values() if isinstance(v, click.Command) and v.name == name), None)
-    if isinstance(cmd, click.Command):
-        cli.add_command(cmd, name)
-
-
-_register_optional("train_cmd", "train")
-_register_optional("tune_cmd", "tune")
-_register_optional("serve_cmd", "serve")
+cli.add_command(train)
+cli.add_command(tune)
+cli.add_command(serve)

@@ -5,20 +5,19 @@ import importlib
 
 # The package's names and the modules that define them, imported on first use: `import eagle2_core`
 # (or of a light module of it, such as prompts) does not pay for torch and transformers' model code.
-_EXPORTS = {"Engine": "engine", "Eagle2Decoder": "engine", "GenerationSettings": "events", "StepEvent": "events",
+_EXPORTS = {"Engine": "engine", "GenerationSettings": "events", "StepEvent": "events",
             "Summary": "events", "DraftHead": "head", "HeadMismatchError": "head", "HeadSpec": "head",
             "TreeSettings": "treesettings"}
-_RENAMED = {"Eagle2Decoder": "Engine"}  # the name of earlier releases: the same engine
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "Eagle2Decoder", "TreeSettings", "GenerationSettings", "StepEvent", "Summary", "DraftHead", "HeadMismatchError", "HeadSpec", "__version__"]
+__all__ = ["Engine", "TreeSettings", "GenerationSettings", "StepEvent", "Summary", "DraftHead", "HeadMismatchError", "HeadSpec", "__version__"]
 
 
 def __getattr__(name: str):
     if name not in _EXPORTS:
         # an AttributeError lets `from eagle2_core import module` fall back to importing the module
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), _RENAMED.get(name, name))
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
     globals()[name] = value
     return value
 

@@ -36,14 +36,6 @@ def accept_greedy_batch(tokens, parents, depth, anc, argmax, width: int):
     return path[:, :width], depth[rows, best], argmax[rows, best]
 
 
-def accept_greedy(tree: DraftTree, target_argmax: torch.Tensor) -> tuple[list[int], int]:
-    """`accept_greedy_batch` for one tree: (accepted node indices root first, bonus token)."""
-    width = int(tree.depth.max()) + 1
-    path, accepted, bonus = accept_greedy_batch(tree.tokens[None], tree.parents[None], tree.depth[None], tree.ancestors[None],
-                                                target_argmax[None], width)
-    return path[0, : int(accepted[0]) + 1].tolist(), int(bonus[0])
-
-
 def children_lists(parents: list[int]) -> list[list[int]]:
     kids: list[list[int]] = [[] for _ in parents]
     for i, p in enumerate(parents[1:], start=1):

@@ -168,12 +168,12 @@ def _device_name(device) -> str:
 PRODUCT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # rows timed (rowgemm.ROW_BUCKETS between them follow the next one up)
 PACK_HINTS = (1, 16)          # oneDNN packings tried per shape; the plan keeps one (no second packing per row count)
 SAMPLE_BYTES = 64 << 20       # weights of a shape timed per product: past the caches, streamed as a forward streams them
-ROW_WIN = 0.97  # another kernel replaces linear only below this share of linear's time: a tie (one row on the
-                # AVX-512 Zen 5 measured 33.1 vs 33.4 ms) stays with linear rather than flip with the noise
+ROW_WIN = 0.97  # another kernel replaces linear only below this share of linear's time: a near tie (docs/benchmarks.md)
+                # stays with linear rather than flip with the noise
 PACK_WIN = 0.75  # a packing is a second float32 copy of its weight, kept for the process: the plan runs one only
-                 # where it takes at most this share of the best unpacked kernel's time. SmolLM2's draft head
-                 # packed its gate/up for 48-64 rows (its prefill only) at 0.78-0.79 of the stream kernel's
-                 # time, for 10.6 MB of a 615 MB chat (a memory target of 601)
+                 # where it takes at most this share of the best unpacked kernel's time: a small gain on
+                 # a prefill's rows alone (SmolLM2's draft head, docs/benchmarks.md) does not pay for a copy
+                 # that pushes a chat past its memory target
 
 
 def product_weights(model, head) -> list[torch.Tensor]:

@@ -24,7 +24,7 @@ LAYER_NAMES = {
 OTHER_NAMES = {"token_embd": "model.embed_tokens", "output": "lm_head"}
 # The types block_linear reads: GGML's type id -> (name, values per block, bytes per block), as
 # gguf-py's GGMLQuantizationType and GGML_QUANT_SIZES give them (csrc/products.cpp: q_block,
-# q_bytes). Reading a file of these types needs no gguf-py, whose import alone keeps 2 MB resident.
+# q_bytes). Reading a file of these types needs no gguf-py, whose import alone keeps memory resident.
 BLOCK_SIZES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34),
                12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
 
@@ -140,8 +140,8 @@ def read_blocks(path: str, num_heads: int, num_kv_heads: int) -> tuple[dict[str,
     out: dict[str, BlockWeight] = {}
     other: dict[str, str] = {}
     # Our own reading of the header (tensor_infos) and of each tensor's bytes straight into its
-    # tensor: gguf-py's reader parses every metadata value into numpy objects (the tokenizer's
-    # 100k strings: ~140 MB at its peak on SmolLM2, part of it never given back to the system)
+    # tensor: gguf-py's reader parses every metadata value into numpy objects (every string of the
+    # tokenizer's: a large peak, part of it never given back to the system)
     # and reads through a memory map whose touched pages count as resident.
     with open(path, "rb") as f:
         arch, tensors, data_start = tensor_infos(f)

@@ -151,7 +151,7 @@ class quiet_gguf:
 
 class _one_name_map:
     """transformers' name mapping recurses into every submodule and builds gguf-py's table of
-    tensor names anew at each (11 s of a 12 s load on SmolLM2); the table depends only on the
+    tensor names anew at each (most of a GGUF load's time on SmolLM2); the table depends only on the
     architecture and the layer count, so inside the block it is built once per pair."""
 
     def __enter__(self):

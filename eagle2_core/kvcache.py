@@ -90,8 +90,8 @@ class KVCache(Cache):
         With `start` set (live mode, one row: dst = start, start + 1, ...) only the cells that are
         not in place move. A path's node indices grow with its depth (parents come first) and the
         tree is in best-first order, so the accepted path is often the tree's first nodes, already
-        where it is kept: then nothing moves (the per-layer copies were ~5% of a drafting cycle on
-        SmolLM2's 30 layers). The path's padding (the root again, past the accepted nodes) need not
+        where it is kept: then nothing moves (the per-layer copies were a visible share of a drafting
+        cycle on SmolLM2, docs/benchmarks.md). The path's padding (the root again, past the accepted nodes) need not
         move either: no cell past the committed length is read before the next forward writes it."""
         if self.start is not None and src.device.type == "cpu":  # (on a GPU the list would be a second sync)
             s = src[0].tolist()

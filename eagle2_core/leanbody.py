@@ -3,7 +3,7 @@
 Verify (EAGLE-2 section 3) is one forward of the target over a few rows, and on a CPU that
 forward is memory-bound: the products want to stream the weights once and nothing else should
 cost. The stock transformers forward is written for every use at once (module calls, kwargs
-plumbing, attention interfaces): on SmolLM2 it spends ~15 ms per forward outside its 211
+plumbing, attention interfaces): on SmolLM2 a large share of each forward goes outside its
 products (docs/benchmarks.md). This is the same computation written once, gpt-fast
 style, for the layers we recognise (Llama, Qwen2, Mistral, Qwen3: pre-norm RMSNorm, rotary
 q/k, SDPA, a gated MLP):
@@ -202,11 +202,11 @@ def native_status() -> str:
 
 # -- the draft head's layer through the same native loop -------------------------------------------
 # A draft step (EAGLE-2 section 4.1: one head forward per tree level) is one decoder layer over a
-# few rows, then the draft lm_head. Through the stock transformers layer it cost ~3.8 ms on SmolLM2
-# where its weights stream in ~1.6: the same native loop runs it, one layer with no
+# few rows, then the draft lm_head. Through the stock transformers layer it cost SmolLM2's head well over
+# the time its weights take to stream (docs/benchmarks.md): the same native loop runs it, one layer with no
 # input norm and no final norm (EAGLE's head has neither). Its q/k/v and gate/up are read as one
 # product each from a fused weight whose views the head's parameters become, as the target body's
-# do (no second copy: that was 9 MB on SmolLM2's head; its checkpoint format and training are
+# do (no second copy of the head's weights; its checkpoint format and training are
 # untouched), made once and again only when a parameter is updated or replaced.
 _HEADS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 _NO_NORM = torch.empty(0)

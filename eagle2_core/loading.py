@@ -198,7 +198,7 @@ def load_target(name: str | None = None, dtype: str = "auto", device: str = "aut
     dev = pick_device(device)
     torch_dtype = pick_dtype(dtype, dev)
     # --load-in-8bit/4bit on a CPU: eagle2's own weight-only quantization over the block kernel
-    # (quantization.py), not bitsandbytes' (whose CPU 8-bit ran 3.4x slower than float32 here)
+    # (quantization.py), not bitsandbytes' (whose CPU 8-bit ran slower than float32, docs/benchmarks.md)
     cpu_bits = (8 if load_in_8bit else 4 if load_in_4bit else 0) if dev == "cpu" and not device_map else 0
     if cpu_bits:
         from . import native

@@ -96,9 +96,9 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
             return one
 
         # The stream floor in the same interleaved rounds as the verifies: on a VM whose speed
-        # drifts by a fifth within minutes, their ratio is only meaningful measured side by side.
+        # drifts within minutes, their ratio is only meaningful measured side by side.
         # A large target is probed at a few sizes (the table interpolates between them): the whole
-        # grid would cost minutes before a first answer (a 1-row verify of an 8B target takes ~0.3 s)
+        # grid would cost minutes before a first answer (a large target's verify is slow even at one row)
         lm_rows = LM_HEAD_ROWS
         if quick:
             lm_rows = tuple(n for n in LM_HEAD_ROWS if n in QUICK_VERIFY_ROWS)
@@ -196,12 +196,6 @@ def stream_reader(model):
     if not ws or ws[0].device.type != "cpu":
         return None, nbytes
     return (lambda: [w.sum() for w in ws]), nbytes
-
-
-def measure_stream_floor(model, reps: int = 5) -> tuple[float | None, int]:
-    """(ms to read every target weight once, their bytes), timed alone."""
-    fn, nbytes = stream_reader(model)
-    return (_timed({"stream": fn}, reps)["stream"] if fn else None), nbytes
 
 
 def _cache_path(key: dict) -> str:

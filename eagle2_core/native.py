@@ -1,8 +1,8 @@
 """Our C++ code (csrc/), built on the user's machine for that machine: the few-row product kernel
 (`stream_linear`, rowgemm's `stream`) and the target's layer loop (`layers`, leanbody's native loop).
 
-Built once per machine by torch's own extension builder (a C++ compiler and ninja; ~40 s, cached
-in torch's extensions folder; install.sh builds it at set-up). `-march=native`: the kernel is
+Built once per machine by torch's own extension builder (a C++ compiler and ninja; cached in
+torch's extensions folder, so only the first run waits; install.sh builds it at set-up). `-march=native`: the kernel is
 written with the compiler's vector extensions, so the build decides AVX-512, AVX2 or NEON from
 the machine at hand, and whether it is worth running is decided by measurement (the product plan,
 measure.measure_products), never by a rule per CPU. The build's name carries a digest of the CPU's

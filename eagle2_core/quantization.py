@@ -40,13 +40,6 @@ def row_int8(w: torch.Tensor) -> BlockWeight:
     return BlockWeight(blocks, ROW_I8, "I8/row", w.shape[1])
 
 
-def rebuild_row_int8(bw: BlockWeight) -> torch.Tensor:
-    """The float32 weight the kernel reads from ROW_I8 blocks, in torch: scale * q."""
-    scale = bw.blocks[:, :4].contiguous().view(torch.float32)  # [out, 1]
-    q = bw.blocks[:, 4:].contiguous().view(torch.int8).float()
-    return scale * q
-
-
 def q4_0(w: torch.Tensor) -> BlockWeight:
     """[out, in] float weight (in a multiple of 32) -> GGML Q4_0 blocks: [out, in / 32 * 18] uint8."""
     if w.shape[0] > CHUNK:

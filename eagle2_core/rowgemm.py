@@ -3,8 +3,8 @@
 Speculative decoding turns one-row products (a plain decoding step) into few-row ones: the
 verify pass has one row per tree node, each draft step one row per expanded node. EAGLE-2's
 dynamic tree (section 4) pays only where a few more rows cost little more than one, and on CPUs
-the default `F.linear` is far from that: fp32 GEMM goes to MKL, whose few-row paths ran at
-4-10 GB/s on AMD EPYCs where the memory gives ~28 (docs/benchmarks.md). torch itself ships
+the default `F.linear` is far from that: fp32 GEMM goes to MKL, whose few-row paths ran at a
+fraction of the memory's bandwidth on AMD EPYCs (docs/benchmarks.md). torch itself ships
 faster kernels for the same product, so which one runs is a *plan*, measured per machine:
 
 - `linear`: `F.linear`, what Hugging Face `generate` runs.
@@ -62,7 +62,7 @@ def _probe_packed() -> bool:
 
 def have_packed() -> bool:
     """Whether `packed` is offered here: probed at the first ask, not at import. The probe runs
-    oneDNN, whose code pages (~6 MB resident) a plan without packed products never needs."""
+    oneDNN, whose code pages stay resident once touched and a plan without packed products never needs."""
     got = globals().get("HAVE_PACKED")
     if got is None:
         got = globals()["HAVE_PACKED"] = _probe_packed()
@@ -305,7 +305,7 @@ def chunks_keep_bits(in_features: int, tail: int) -> bool:
 def chunked(weight: torch.Tensor) -> bool:
     """Whether `rebuilt_linear` multiplies this weight a chunk of rows at a time. Loading asks it
     of every floatless weight, so that the check's own memory (a random weight of two chunks and
-    its products, ~10 MB for SmolLM2's lm_head) is taken while the model's working memory is not,
+    its products) is taken while the model's working memory is not,
     rather than on top of the first `generate`'s."""
     out_f, in_f = weight.shape
     return out_f > 2 * CHUNK_ROWS and chunks_keep_bits(in_f, out_f % CHUNK_ROWS)

@@ -193,10 +193,10 @@ class Runtime:
             # What is loaded now (the model's modules and tensors, the tokenizer, the imported
             # libraries: millions of objects) lives as long as the process. Python's full
             # collections walk every tracked object, and a drafting cycle allocates enough small
-            # ones (the sources' trees, lists of ids) to trigger them: 2-5% of a decoding step went
-            # there (perf). Frozen, a collection walks only what was made after this point. No
-            # collection first: it found 32 unreachable objects after loading SmolLM2 (RSS
-            # unchanged) and took 0.2-0.3 s of every start-up.
+            # ones (the sources' trees, lists of ids) to trigger them: perf found a steady share of
+            # each decoding step there (docs/benchmarks.md). Frozen, a collection walks only what
+            # was made after this point. No collection first: after loading SmolLM2 it freed next
+            # to nothing and lengthened every start-up.
             gc.freeze()
         return cls(target, head, settings, gen, system_prompt, chat_template, arithmetic=arith, layout_due=arith == "int8" and defer_layout,
                    draft_name=("none" if head is None and (need_head or tree.get("total_tokens") == 1) else draft or default_head_for(target.name) or ""), costs=costs,

@@ -310,24 +310,3 @@ def generation_description(gen, model_config=None) -> dict:
 def _unconstrained(gen):
     """`gen` without its constraint: what reports build their processors from (no tokenizer there)."""
     return dataclasses.replace(gen, constraint=None) if getattr(gen, "constraint", None) is not None else gen
-
-
-# -- kept for callers that only sample with temperature / top-k / top-p ------------------------
-def make_warpers(gen) -> LogitsProcessorList | None:
-    """None at temperature 0 (greedy); otherwise the warpers for gen's temperature/top-k/top-p."""
-    if not samples(gen.temperature):
-        return None
-    procs = LogitsProcessorList()
-    if gen.temperature != 1.0:
-        procs.append(TemperatureLogitsWarper(gen.temperature))
-    if gen.top_k:
-        procs.append(TopKLogitsWarper(top_k=gen.top_k))
-    if gen.top_p is not None and gen.top_p < 1.0:
-        procs.append(TopPLogitsWarper(top_p=gen.top_p))
-    return procs
-
-
-def target_probs(logits: torch.Tensor, warpers: LogitsProcessorList) -> torch.Tensor:
-    """Row-wise processed distributions [N, V] (float32) for the N rows of `logits`."""
-    scores = warpers(None, logits.float())
-    return torch.softmax(scores, dim=-1)

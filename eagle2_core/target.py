@@ -138,8 +138,8 @@ def model_eos_ids(model, tokenizer) -> set[int]:
             ids.update(vocab[t] for t in END_OF_TURN_TOKENS if t in vocab)
         else:
             # each token looked up alone (an unknown one comes back as the unknown token's id):
-            # `get_vocab()` would copy the whole vocabulary at every `generate` call, 12 MB at its
-            # peak for SmolLM2's 49k tokens and part of it left in the heap
+            # `get_vocab()` would copy the whole vocabulary at every `generate` call, a peak of
+            # memory for every string of it and part of it left in the heap
             for t in END_OF_TURN_TOKENS:
                 i = lookup(t)
                 if isinstance(i, int) and tokenizer.convert_ids_to_tokens(i) == t:

@@ -184,13 +184,6 @@ def windowed(allowed: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, wi
     return allowed & (k_pos[:, None, :] > q_pos[:, :, None] - window)
 
 
-def causal_attention_bias(q_len: int, past_len: int, dtype: torch.dtype, device, sliding_window: int | None = None) -> torch.Tensor:
-    """Ordinary causal additive mask [1, 1, q_len, past_len + q_len]."""
-    q = past_len + torch.arange(q_len, device=device)[None]
-    k = torch.arange(past_len + q_len, device=device)[None]
-    return additive(windowed(causal_rows(q, past_len + q_len), q, k, sliding_window), dtype)
-
-
 def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A bool mask [q, k] (or [batch, q, k]) as the additive [1 or batch, 1, q, k] float mask every
     attention backend takes: 0 where a key is seen, the dtype's lowest value where it is not."""

@@ -253,7 +253,7 @@ def distill_tiny_head(model, steps: int = 150, seed: int = 1, n_seq: int = 48, s
 
 def _fit_tiny_head(model, steps, seed, n_seq, seq_len, lr, arch, draft_ids):
     from eagle2_core.head import DraftHead, HeadSpec
-    from eagle2_core.tree import causal_attention_bias
+    from eagle2_core.tree import additive
 
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
@@ -277,7 +277,7 @@ def _fit_tiny_head(model, steps, seed, n_seq, seq_len, lr, arch, draft_ids):
             target = target / target.sum(-1, keepdim=True)
     inputs, feats, target = seqs[:, 1:], feats[:, :-1], target[:, 1:]  # pairs (f_t, x_{t+1}) -> p(. | x_<=t+1)
     pos = torch.arange(seq_len - 1)[None].expand(n_seq, -1)
-    mask = causal_attention_bias(seq_len - 1, 0, torch.float32, "cpu")
+    mask = additive(torch.ones(seq_len - 1, seq_len - 1, dtype=torch.bool).tril(), torch.float32)  # causal
     opt = torch.optim.Adam(head.parameters(), lr=lr)
     head.train()
     with torch.enable_grad():

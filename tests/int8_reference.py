@@ -126,3 +126,12 @@ def linear(x: np.ndarray, w: np.ndarray, qtype: int, bias: np.ndarray | None = N
     if bias is not None:
         acc = (acc + bias[None, :].astype(F)).astype(F)
     return acc
+
+
+def rebuild_row_int8(bw):
+    """The float32 weight the kernel reads from ROW_I8 blocks (quantization.row_int8), in torch: scale * q."""
+    import torch
+
+    scale = bw.blocks[:, :4].contiguous().view(torch.float32)  # [out, 1]
+    q = bw.blocks[:, 4:].contiguous().view(torch.int8).float()
+    return scale * q

@@ -8,8 +8,16 @@ import pytest
 import torch
 from scipy import stats
 
-from eagle2_core.accept import accept_greedy, accept_sampling_keyed, children_lists, generation_seed, inverse_cdf, position_uniforms
+from eagle2_core.accept import accept_greedy_batch, accept_sampling_keyed, children_lists, generation_seed, inverse_cdf, position_uniforms
 from eagle2_core.tree import tree_from_parents
+
+
+def accept_greedy(tree, target_argmax: torch.Tensor) -> tuple[list[int], int]:
+    """`accept_greedy_batch` for one tree: (accepted node indices root first, bonus token)."""
+    width = int(tree.depth.max()) + 1
+    path, accepted, bonus = accept_greedy_batch(tree.tokens[None], tree.parents[None], tree.depth[None], tree.ancestors[None],
+                                                target_argmax[None], width)
+    return path[0, : int(accepted[0]) + 1].tolist(), int(bonus[0])
 
 
 def random_tree(rng: random.Random, n: int, vocab: int):
@@ -67,8 +75,6 @@ def test_greedy_batch_rows_are_independent(seed):
     """accept_greedy_batch on B trees of one size (the engine's form): each row's path (padded with
     the root to the fixed width), accepted count and bonus are that row's own one-tree answer; an
     argmax of -1 (not computed: a leaf in the two-pass plan) ends a path there with bonus -1."""
-    from eagle2_core.accept import accept_greedy_batch
-
     rng = random.Random(1000 + seed)
     b, n, vocab = 4, rng.randint(1, 12), 4
     trees = [random_tree(rng, n, vocab) for _ in range(b)]

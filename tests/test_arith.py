@@ -64,7 +64,7 @@ def head_for(model):
 def test_mixed_block_types_fuse_as_parts_and_keep_generate_bits_in_exact():
     """A fused q/k/v (Q4_K, Q4_K, Q6_K) and gate/up (Q4_K, Q5_K) run as parts through the native
     loop, never as float32: exact greedy speculation equals `generate` on the float32 rebuild."""
-    from eagle2_core import Eagle2Decoder, GenerationSettings, TreeSettings, rowgemm
+    from eagle2_core import Engine, GenerationSettings, TreeSettings, rowgemm
     from eagle2_core.target import TargetRunner
 
     model = block_target()
@@ -77,7 +77,7 @@ def test_mixed_block_types_fuse_as_parts_and_keep_generate_bits_in_exact():
     refs = [model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=10,
                            do_sample=False, pad_token_id=0)[0, len(ids):].tolist() for ids in prompts]
     with rowgemm.using_arithmetic("exact"):
-        dec = Eagle2Decoder(model, head_for(model), tree=TreeSettings(total_tokens=6, depth=3, top_k=2))
+        dec = Engine(model, head_for(model), tree=TreeSettings(total_tokens=6, depth=3, top_k=2))
         gen = GenerationSettings(max_new_tokens=10, eos_token_ids=())
         assert [dec.generate(ids, gen)[0] for ids in prompts] == refs
 

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from eagle2_core import Eagle2Decoder, GenerationSettings, TreeSettings
+from eagle2_core import Engine, GenerationSettings, TreeSettings
 from eagle2_core.policy import bin_counts, calibration_gap
 from eagle2_core.costs import CostProfile
 
@@ -26,7 +26,7 @@ def test_auto_budget_is_lossless_and_varies_per_cycle(tiny_lm, fitted_head):
     model = tiny_lm("llama", vocab_size=VOCAB, max_position_embeddings=MAXPOS)
     head = fitted_head(model)
     prof = fake_profile({1: 10.0, 4: 10.5, 5: 13.0, 12: 14.0})
-    dec = Eagle2Decoder(model, head, tree=TreeSettings(total_tokens=12, depth=4, top_k=3, budget="auto"), costs=prof)
+    dec = Engine(model, head, tree=TreeSettings(total_tokens=12, depth=4, top_k=3, budget="auto"), costs=prof)
     dec.policy.costs.frozen = True  # the tiny model's own timings would replace the cost step
     sizes = []
     for case in build_cases(model, seed=21):

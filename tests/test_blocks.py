@@ -156,7 +156,7 @@ def test_block_weights_through_the_one_engine(name, monkeypatch):
     """The block kernel forced for every product that has blocks (EAGLE2_KERNEL=block; the head's
     weights stream their floats): every forward is bitwise the one with the float32 stream kernel
     forced, so greedy decoding is `generate`'s, and the kernel really ran."""
-    from eagle2_core import Eagle2Decoder, GenerationSettings, TreeSettings, rowgemm
+    from eagle2_core import Engine, GenerationSettings, TreeSettings, rowgemm
     from eagle2_core.head import DraftHead, HeadSpec
 
     model = quantized_tiny_llama(name)
@@ -175,7 +175,7 @@ def test_block_weights_through_the_one_engine(name, monkeypatch):
         for kernel in ("block", "stream"):
             monkeypatch.setenv("EAGLE2_KERNEL", kernel)
             rowgemm.install_plan(rowgemm.ProductPlan())
-            dec = Eagle2Decoder(model, head, tree=TreeSettings(total_tokens=6, depth=3, top_k=2))
+            dec = Engine(model, head, tree=TreeSettings(total_tokens=6, depth=3, top_k=2))
             outs[kernel] = [dec.generate(ids, GenerationSettings(max_new_tokens=12))[0] for ids in prompts]
             if kernel == "block":
                 assert "block" in ran
@@ -204,7 +204,8 @@ def test_row_int8_product_is_bitwise_the_float32_product_over_scale_times_q():
     """`--load-in-8bit` on a CPU: int8 rows with a float32 scale each; the block product is the
     float32 stream product over `scale * q` at every row count (so speculation is exact against
     the 8-bit model's plain decoding), and the quantization is absmax per row."""
-    from eagle2_core.quantization import ROW_I8, rebuild_row_int8, row_int8
+    from eagle2_core.quantization import ROW_I8, row_int8
+    from int8_reference import rebuild_row_int8
 
     mod = native.module()
     torch.manual_seed(5)
@@ -231,7 +232,8 @@ def test_row_int8_product_is_bitwise_the_float32_product_over_scale_times_q():
 def test_block_rows_rebuild_the_dequantized_rows_bitwise(name):
     """An embedding lookup, or the float32 weight `generate` runs, from the blocks: gguf-py's
     dequantization (scale * q for ROW_I8) of exactly the rows asked for, into a buffer or not."""
-    from eagle2_core.quantization import ROW_I8, rebuild_row_int8, row_int8
+    from eagle2_core.quantization import ROW_I8, row_int8
+    from int8_reference import rebuild_row_int8
 
     mod = native.module()
     k = 512 if name in K_QUANTS else 96
@@ -277,7 +279,7 @@ def test_a_target_held_as_blocks_only_keeps_generate_bits_and_decodes_from_block
     would be NaN) and greedy decoding is `generate`'s."""
     import copy
 
-    from eagle2_core import Eagle2Decoder, GenerationSettings, TreeSettings, rowgemm
+    from eagle2_core import Engine, GenerationSettings, TreeSettings, rowgemm
     from eagle2_core.ggufblocks import BlockWeight
     from eagle2_core.head import DraftHead, HeadSpec
     from eagle2_core.loading import drop_floats
@@ -311,7 +313,7 @@ def test_a_target_held_as_blocks_only_keeps_generate_bits_and_decodes_from_block
     before = rowgemm.PLAN
     try:
         rowgemm.install_plan(rowgemm.forced("stream"))  # a plan that names another kernel: blocks only still read blocks
-        dec = Eagle2Decoder(model, head, tree=TreeSettings(total_tokens=6, depth=3, top_k=2))
+        dec = Engine(model, head, tree=TreeSettings(total_tokens=6, depth=3, top_k=2))
         assert [dec.generate(ids, gen)[0] for ids in prompts] == refs
         run = TargetRunner(model)
         assert all(rowgemm.floatless(w) for w in run.lean.weights())  # fused q/k/v and gate/up: blocks only too

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle2_core import Eagle2Decoder, GenerationSettings, TreeSettings
+from eagle2_core import Engine, GenerationSettings, TreeSettings
 from eagle2_core.head import DraftHead, HeadMismatchError, HeadSpec
 from eagle2_core.headfiles import load_head_folder
 from eagle2_core.loading import HUB_HEAD_FILES, LoadedTarget, LoadError, load_draft_head
@@ -122,7 +122,7 @@ def test_published_format_loads(tmp_path, target, fmt, bias, embed):
     assert head.draft_lm_head.data_ptr() == target.get_output_embeddings().weight.data_ptr()
     # and it decodes losslessly
     ids = [3, 1, 4, 1, 5]
-    out, _ = Eagle2Decoder(target, head, tree=TreeSettings(total_tokens=8, depth=3, top_k=3)).generate(
+    out, _ = Engine(target, head, tree=TreeSettings(total_tokens=8, depth=3, top_k=3)).generate(
         ids, GenerationSettings(max_new_tokens=12, eos_token_ids=()))
     ref = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, 5, dtype=torch.long), max_new_tokens=12,
                           do_sample=False, eos_token_id=None, pad_token_id=0)[0, 5:].tolist()
@@ -223,8 +223,8 @@ def test_save_load_round_trip_identical_tensors_and_decoding(tmp_path, target, f
     tree = TreeSettings(total_tokens=10, depth=4, top_k=3)
     for ids in ([1, 2, 3], [7, 7, 0, 11, 4, 2, 9], [5]):
         gen = GenerationSettings(max_new_tokens=25, eos_token_ids=())
-        out1, s1 = Eagle2Decoder(target, head, tree=tree).generate(ids, gen)
-        out2, s2 = Eagle2Decoder(target, loaded, tree=tree).generate(ids, gen)
+        out1, s1 = Engine(target, head, tree=tree).generate(ids, gen)
+        out2, s2 = Engine(target, loaded, tree=tree).generate(ids, gen)
         assert out1 == out2 and s1.accepted_hist == s2.accepted_hist  # same drafts, not just same output
 
 
@@ -236,7 +236,7 @@ def test_pruned_draft_vocab_round_trip_and_lossless(tmp_path, target):
     head.save(folder)
     loaded = load_head_folder(folder, target)
     assert torch.equal(loaded.draft_vocab, vocab) and loaded.draft_lm_head.shape == (7, HIDDEN)
-    dec = Eagle2Decoder(target, loaded, tree=TreeSettings(total_tokens=10, depth=3, top_k=3))
+    dec = Engine(target, loaded, tree=TreeSettings(total_tokens=10, depth=3, top_k=3))
     for ids in ([1, 2, 3], [4, 6, 9, 10]):
         out, _ = dec.generate(ids, GenerationSettings(max_new_tokens=20, eos_token_ids=()))
         ref = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=20,

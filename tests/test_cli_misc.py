@@ -1,17 +1,14 @@
-"""Version, help, shell completions, one-line errors, optional command registration."""
+"""Version, help, shell completions, one-line errors."""
 from __future__ import annotations
 
-import importlib.machinery
 import os
 import subprocess
 import sys
-import types
 
-import click
 import pytest
 from click.testing import CliRunner
 
-from eagle2_cli.main import _register_optional, cli
+from eagle2_cli.main import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -123,22 +120,3 @@ def test_renamed_spellings_still_work(tiny_model_dir):
     assert r.exit_code == 0, r.stderr
     assert "--no-calibrate is now --no-baseline" in r.stderr and "--calibration-tokens is now --baseline-tokens" in r.stderr
     assert "vanilla baseline:" not in r.stderr  # the old flag still skips the baseline run
-
-
-def test_optional_command_registration(monkeypatch):
-    mod = types.ModuleType("eagle2_cli.fake_extra_cmd")
-    mod.__spec__ = importlib.machinery.ModuleSpec("eagle2_cli.fake_extra_cmd", None)
-
-    @click.command("fakeextra")
-    def fakeextra():
-        click.echo("ran")
-
-    mod.fakeextra = fakeextra
-    monkeypatch.setitem(sys.modules, "eagle2_cli.fake_extra_cmd", mod)
-    try:
-        _register_optional("fake_extra_cmd", "fakeextra")
-        assert CliRunner().invoke(cli, ["fakeextra"]).output == "ran\n"
-        _register_optional("no_such_module_here", "nothing")
-        assert "nothing" not in cli.commands
-    finally:
-        cli.commands.pop("fakeextra", None)

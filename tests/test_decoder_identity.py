@@ -19,7 +19,7 @@ import random
 import pytest
 import torch
 
-from eagle2_core import Eagle2Decoder, GenerationSettings, Summary, TreeSettings
+from eagle2_core import Engine, GenerationSettings, Summary, TreeSettings
 from eagle2_core.vanilla import VanillaDecoder
 
 from conftest import CORE_ARCHS
@@ -98,7 +98,7 @@ def test_greedy_identity(arch_env, shape, monkeypatch):
         return real_forward(self, tokens, positions, *args)
 
     monkeypatch.setattr(TargetRunner, "body_forward", forward)
-    dec = Eagle2Decoder(arch_env["model"], arch_env["head"], tree=SHAPES[shape])
+    dec = Engine(arch_env["model"], arch_env["head"], tree=SHAPES[shape])
     hist: list[int] = []
     cut_cycles = 0  # cycles whose emitted tokens were cut short by EOS
     mismatches = []
@@ -133,7 +133,7 @@ def test_greedy_identity_for_both_lm_head_plans(arch_env, rows_cheap):
     """Where extra rows are measured cheap (GPU, float32 CPU via rowgemm, bf16 on AMX) acceptance takes
     every tree row's logits in one product; elsewhere internal rows first and a leaf row only
     when the path ends there. Both are forced here on the float32 tiny models."""
-    dec = Eagle2Decoder(arch_env["model"], arch_env["head"], tree=SHAPES["dynamic"])
+    dec = Engine(arch_env["model"], arch_env["head"], tree=SHAPES["dynamic"])
     dec.one_product = rows_cheap  # what the measured profile would decide
     rows_seen = []
     real_logits = dec.runner.logits
@@ -167,7 +167,7 @@ def test_greedy_identity_with_each_kernel_forced(arch_env, kernel, monkeypatch):
     real = rowgemm.kernel_for
     monkeypatch.setattr(rowgemm, "kernel_for", lambda x, w: ran.append(real(x, w)) or ran[-1])
     try:
-        dec = Eagle2Decoder(arch_env["model"], arch_env["head"], tree=SHAPES["dynamic"])
+        dec = Engine(arch_env["model"], arch_env["head"], tree=SHAPES["dynamic"])
         for case in arch_env["cases"]:
             out, _ = dec.generate(case["ids"], GenerationSettings(max_new_tokens=case["n"], eos_token_ids=case["eos"]))
             assert out == case["ref"], (kernel, case)
@@ -188,7 +188,7 @@ def test_tree_variants_identity(tiny_lm, fitted_head):
                TreeSettings(total_tokens=2, depth=3, top_k=3),
                TreeSettings(total_tokens=8, depth=5, top_k=1),
                TreeSettings(total_tokens=30, depth=2, top_k=VOCAB + 4)):
-        dec = Eagle2Decoder(model, head, tree=ts)
+        dec = Engine(model, head, tree=ts)
         for case in cases:
             out, _ = dec.generate(case["ids"], GenerationSettings(max_new_tokens=case["n"], eos_token_ids=case["eos"]))
             assert out == case["ref"], (ts, case)

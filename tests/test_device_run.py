@@ -1,4 +1,4 @@
-"""The prepared device session (benchmarks/device_run.py): its plan fits the device's
+"""The GPU run (benchmarks/device_run.py): its plan fits the remote machine's
 limits, and it reaches the library through public names only, so a refactor cannot break it
 unseen (the training itself runs in the dry run, not here)."""
 from __future__ import annotations

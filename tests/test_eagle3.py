@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle2_core import Eagle2Decoder, GenerationSettings, Summary, TreeSettings
+from eagle2_core import Engine, GenerationSettings, Summary, TreeSettings
 from eagle2_core.eagle3 import EAGLE3_ARCHITECTURE, Eagle3Head, Eagle3Spec, default_feature_layers
 from eagle2_core.head import DraftHead, HeadMismatchError
 from eagle2_core.headfiles import load_head_folder
@@ -78,7 +78,7 @@ def test_captured_feature_is_the_input_of_layers_2_mid_and_L_minus_3(tiny_lm, ar
 # -- decoding --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_greedy_identity_with_eagle3_head(env3, shape):
-    dec = Eagle2Decoder(env3["model"], env3["head"], tree=SHAPES[shape])
+    dec = Engine(env3["model"], env3["head"], tree=SHAPES[shape])
     hist: list[int] = []
     mismatches = []
     for case in env3["cases"]:
@@ -109,7 +109,7 @@ def test_drafted_tokens_stay_in_the_draft_vocabulary(env3, monkeypatch):
         return out
 
     monkeypatch.setattr(engine.Cycle, "draft_fn", spy)
-    dec = Eagle2Decoder(env3["model"], env3["head"], tree=SHAPES["dynamic"])
+    dec = Engine(env3["model"], env3["head"], tree=SHAPES["dynamic"])
     for case in env3["cases"][:6]:
         dec.generate(case["ids"], GenerationSettings(max_new_tokens=case["n"]))
     assert seen and seen <= set(DRAFT_IDS)
@@ -198,7 +198,7 @@ def test_published_style_head_loads_and_decodes_losslessly(tmp_path, tiny_lm, fm
     assert isinstance(head, Eagle3Head) and head.feature_layers == (2, 4, 5)
     assert torch.equal(head.d2t.cpu(), sd["d2t"]) and torch.equal(head.draft_ids().cpu(), torch.tensor(DRAFT_IDS))
     assert torch.equal(head.fc.weight, sd["fc.weight"].float())
-    dec = Eagle2Decoder(model, head, tree=SHAPES["dynamic"])
+    dec = Engine(model, head, tree=SHAPES["dynamic"])
     for case in build_cases(model, seed=5)[:8]:
         out, _ = dec.generate(case["ids"], GenerationSettings(max_new_tokens=case["n"], eos_token_ids=case["eos"]))
         assert out == case["ref"]
@@ -249,7 +249,7 @@ def test_save_reload_decode_and_the_serving_engines_expectations(tmp_path, env3)
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     for case in env3["cases"][:6]:
         g = GenerationSettings(max_new_tokens=case["n"], eos_token_ids=case["eos"])
-        assert Eagle2Decoder(model, again, tree=SHAPES["static"]).generate(case["ids"], g)[0] == case["ref"]
+        assert Engine(model, again, tree=SHAPES["static"]).generate(case["ids"], g)[0] == case["ref"]
 
 
 def _one_line(msg: str) -> str:
@@ -313,7 +313,7 @@ def test_head_with_other_hidden_size_needs_and_uses_its_own_embedding(tmp_path, 
     assert cfg["target_hidden_size"] == 32 and cfg["hidden_size"] == 48
     loaded = load_head_folder(str(tmp_path / "h"), model)
     for case in build_cases(model, seed=9)[:6]:
-        out, _ = Eagle2Decoder(model, loaded, tree=SHAPES["dynamic"]).generate(case["ids"], GenerationSettings(max_new_tokens=case["n"], eos_token_ids=case["eos"]))
+        out, _ = Engine(model, loaded, tree=SHAPES["dynamic"]).generate(case["ids"], GenerationSettings(max_new_tokens=case["n"], eos_token_ids=case["eos"]))
         assert out == case["ref"]
     sd = load_file(str(tmp_path / "h" / "model.safetensors"))
     del sd["embed_tokens.weight"]
@@ -348,7 +348,7 @@ def test_sampling_with_an_eagle3_head_follows_the_target_law(tiny_lm, monkeypatc
     model = tiny_lm("llama", vocab_size=sl.V, hidden_size=16, num_layers=LAYERS, max_position_embeddings=32,
                     initializer_range=0.3, logit_scale=1.0)
     head = tiny_eagle3_head(model, [0, 1, 2, 4], seed=2)
-    dec = Eagle2Decoder(model, head, tree=TreeSettings(shape="dynamic", total_tokens=8, depth=3, top_k=3))
+    dec = Engine(model, head, tree=TreeSettings(shape="dynamic", total_tokens=8, depth=3, top_k=3))
     gen = GenerationSettings(temperature=0.7)
     exact = sl.exact_target_law(model, gen)
     p0 = [sum(v for k, v in exact.items() if k[0] == a) for a in range(sl.V)]

@@ -32,7 +32,7 @@ from transformers import GenerationConfig
 from transformers.generation.logits_process import (LogitsProcessorList, NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper)
 
-from eagle2_core import Eagle2Decoder, GenerationSettings, TreeSettings
+from eagle2_core import Engine, GenerationSettings, TreeSettings
 from eagle2_core.sampling import HISTORY_FREE, TargetProcessors, UnsupportedGeneration, generation_config_for, settings_from_model
 from eagle2_core.tree import tree_from_parents
 from eagle2_core.vanilla import VanillaDecoder
@@ -171,8 +171,8 @@ def test_greedy_identity_with_models_generate(greedy_env, config):
         # generate() itself fails on an EOS length penalty without an EOS id: every constraints case has one
         cases = build_cases(model, seed=list(CONFIGS).index(config), always_eos=config == "constraints")
         assert sum(c["ref"] != c["plain"] for c in cases) >= 4  # the model's config changes what generate emits
-        decoders = {"dynamic": Eagle2Decoder(model, head, tree=TREE), "dynamic-two-pass": Eagle2Decoder(model, head, tree=TREE),
-                    "graph": Eagle2Decoder(model, head, tree=TREE, graph=True)}
+        decoders = {"dynamic": Engine(model, head, tree=TREE), "dynamic-two-pass": Engine(model, head, tree=TREE),
+                    "graph": Engine(model, head, tree=TREE, graph=True)}
         decoders["dynamic"].one_product, decoders["dynamic-two-pass"].one_product = True, False  # the lm_head plans
         for name, dec in decoders.items():
             hist, bad = [], []
@@ -207,7 +207,7 @@ def test_no_generation_config_ignores_the_models_on_both_sides(greedy_env):
             gen = settings_from_model(model.generation_config, {"max_new_tokens": c["n"], "eos_token_ids": c["eos"]}, **gen_kw)
             assert gen.repetition_penalty == 1.0
             assert VanillaDecoder(model).generate(c["ids"], gen)[0] == c["plain"]
-            assert Eagle2Decoder(model, head, tree=TREE).generate(c["ids"], gen)[0] == c["plain"]
+            assert Engine(model, head, tree=TREE).generate(c["ids"], gen)[0] == c["plain"]
     finally:
         model.generation_config = GenerationConfig()
 
@@ -257,7 +257,7 @@ def sampling_env(tiny_lm):
     model = tiny_lm("llama", vocab_size=V, hidden_size=16, num_layers=1, max_position_embeddings=32, initializer_range=0.3, logit_scale=1.0)
     torch.manual_seed(2)
     head = DraftHead(HeadSpec.for_target(model.config)).bind(model)
-    return dict(model=model, dec=Eagle2Decoder(model, head, tree=TreeSettings(shape="dynamic", total_tokens=8, depth=3, top_k=3)))
+    return dict(model=model, dec=Engine(model, head, tree=TreeSettings(shape="dynamic", total_tokens=8, depth=3, top_k=3)))
 
 
 def max_gap(a: dict, b: dict) -> float:

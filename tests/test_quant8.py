@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from eagle2_core import Eagle2Decoder, GenerationSettings, TreeSettings
+from eagle2_core import Engine, GenerationSettings, TreeSettings
 from eagle2_core.vanilla import VanillaDecoder
 
 VOCAB, MAXPOS = 12, 48
@@ -64,7 +64,7 @@ def require_bnb():
 
 def compare_with_vanilla(model, head, n_prompts: int = 8, seed: int = 8):
     """(prompts identical, prompts run, accepted histogram) of EAGLE-2 vs VanillaDecoder, greedy."""
-    dec = Eagle2Decoder(model, head, tree=TreeSettings(total_tokens=10, depth=4, top_k=3))
+    dec = Engine(model, head, tree=TreeSettings(total_tokens=10, depth=4, top_k=3))
     van = VanillaDecoder(model)
     rng = random.Random(seed)
     hist, same, diffs = [0] * 5, 0, []
@@ -89,7 +89,8 @@ def test_8bit_target_identical_to_8bit_vanilla(tmp_path, tiny_lm, fitted_head):
 
     from eagle2_core import native, rowgemm
     from eagle2_core.loading import load_target
-    from eagle2_core.quantization import ROW_I8, rebuild_row_int8
+    from eagle2_core.quantization import ROW_I8
+    from int8_reference import rebuild_row_int8
 
     if native.module() is None:
         pytest.skip("eagle2's native code is not built here")
@@ -188,7 +189,8 @@ def test_a_head_beside_a_block_target_drafts_from_8bit_rows(tmp_path, tiny_lm, f
     output is still exactly the target's, with drafts accepted."""
     from eagle2_core import leanbody, native, rowgemm
     from eagle2_core.loading import load_target
-    from eagle2_core.quantization import ROW_I8, head_blocks, rebuild_row_int8
+    from eagle2_core.quantization import ROW_I8, head_blocks
+    from int8_reference import rebuild_row_int8
 
     if native.module() is None:
         pytest.skip("eagle2's native code is not built here")
@@ -232,7 +234,8 @@ def test_head_blocks_takes_every_head_kind_with_a_pruned_vocabulary(tiny_lm, arc
     lm_head among them) and an EAGLE-1/2 head's copy of the scored lm_head rows become 8-bit rows;
     the target's own weights are not touched, and the scoring product is the one over `scale * q`."""
     from eagle2_core import native, rowgemm
-    from eagle2_core.quantization import head_blocks, rebuild_row_int8
+    from eagle2_core.quantization import head_blocks
+    from int8_reference import rebuild_row_int8
     from eagle2_core.train.trainer import new_head
 
     if native.module() is None:

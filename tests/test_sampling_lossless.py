@@ -9,7 +9,7 @@ walk runs. The law tested is the joint law of the first 3 generated tokens (125 
 path / bonus at depth 1 and 2, or from a second cycle.
 
   * exact reference: P(x1, x2, x3) = p(x1) p(x2 | x1) p(x3 | x1 x2), enumerated from full causal
-    forwards of the target with the same warpers (`make_warpers` / `target_probs`);
+    forwards of the target with transformers' own warpers (`make_warpers` / `target_probs` below);
   * analytic check: the same law computed from the *engine's own* trees and verification
     probabilities (captured by forcing each outcome) under the rule, written out exactly;
   * Monte Carlo: N fixed-seed generations, Pearson chi-square (cells with expected < 5 pooled),
@@ -47,12 +47,14 @@ from collections import Counter
 
 import pytest
 import torch
+from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import eagle2_core.cycle as cycle_mod
 import eagle2_core.engine as engine_mod
-from eagle2_core import Eagle2Decoder, GenerationSettings, TreeSettings
+from eagle2_core import Engine, GenerationSettings, TreeSettings
 from eagle2_core.head import DraftHead, HeadSpec
-from eagle2_core.sampling import TargetProcessors, make_warpers, target_probs
+from eagle2_core.events import samples
+from eagle2_core.sampling import TargetProcessors
 
 from conftest import broken_keyed_rule, chisquare_power, keyed_law, pooled_chisquare
 
@@ -78,8 +80,27 @@ def env(tiny_lm):
                     initializer_range=0.3, logit_scale=1.0)
     torch.manual_seed(2)
     head = DraftHead(HeadSpec.for_target(model.config)).bind(model)
-    dec = Eagle2Decoder(model, head, tree=TreeSettings(shape="dynamic", total_tokens=8, depth=3, top_k=3))
+    dec = Engine(model, head, tree=TreeSettings(shape="dynamic", total_tokens=8, depth=3, top_k=3))
     return dict(model=model, dec=dec, laws={})
+
+
+def make_warpers(gen) -> LogitsProcessorList | None:
+    """None at temperature 0 (greedy); otherwise transformers' warpers for gen's temperature/top-k/top-p."""
+    if not samples(gen.temperature):
+        return None
+    procs = LogitsProcessorList()
+    if gen.temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(gen.temperature))
+    if gen.top_k:
+        procs.append(TopKLogitsWarper(top_k=gen.top_k))
+    if gen.top_p is not None and gen.top_p < 1.0:
+        procs.append(TopPLogitsWarper(top_p=gen.top_p))
+    return procs
+
+
+def target_probs(logits: torch.Tensor, warpers: LogitsProcessorList) -> torch.Tensor:
+    """Row-wise processed distributions [N, V] (float32) for the N rows of `logits`."""
+    return torch.softmax(warpers(None, logits.float()), dim=-1)
 
 
 def exact_target_law(model, gen: GenerationSettings) -> dict:
@@ -246,7 +267,7 @@ def manual_processed_probs(logits: torch.Tensor, temperature: float, top_k: int,
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 3, 1.0), (1.0, 0, 0.8),
                                                      (0.8, 3, 0.9), (0.5, 10, 0.5), (2.0, 1, 1.0), (1.0, 60, 0.95)])
 def test_target_distribution_matches_independent_reference(temperature, top_k, top_p):
-    """The exact law above is built with the engine's own warpers, so check those separately."""
+    """The exact law above is built with `make_warpers` here, so check it against an independent reference."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(40, 50, generator=g) * 3
     gen = GenerationSettings(temperature=temperature, top_k=top_k, top_p=top_p)

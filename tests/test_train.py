@@ -92,7 +92,7 @@ def _tiny_job(tmp_path, data_path, **cfg_overrides):
 
 
 def test_train_end_to_end_then_decode_losslessly(tiny_target, tmp_path):
-    from eagle2_core import Eagle2Decoder, GenerationSettings, TreeSettings
+    from eagle2_core import Engine, GenerationSettings, TreeSettings
     from eagle2_core.headfiles import load_head_folder
     from eagle2_core.train.pipeline import run_training
 
@@ -113,7 +113,7 @@ def test_train_end_to_end_then_decode_losslessly(tiny_target, tmp_path):
     head = load_head_folder(job.out_dir, model)
     assert head.draft_vocab is not None and head.draft_vocab.numel() <= 64 + 4
     prompt = tiny_target.tokenizer("Write a short poem about")["input_ids"]
-    out, _ = Eagle2Decoder(model, head, tiny_target.tokenizer, TreeSettings(total_tokens=10, depth=3, top_k=3)).generate(
+    out, _ = Engine(model, head, tiny_target.tokenizer, TreeSettings(total_tokens=10, depth=3, top_k=3)).generate(
         prompt, GenerationSettings(max_new_tokens=20, eos_token_ids=()))
     ref = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=20,
                          do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()

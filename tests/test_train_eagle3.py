@@ -40,7 +40,7 @@ def _job(tmp_path, data, **kw):
 
 
 def test_train_eagle3_end_to_end_then_decode_losslessly(tiny8_target, tmp_path):
-    from eagle2_core import Eagle2Decoder, GenerationSettings, TreeSettings
+    from eagle2_core import Engine, GenerationSettings, TreeSettings
     from eagle2_core.eagle3 import Eagle3Head
     from eagle2_core.headfiles import load_head_folder
     from eagle2_core.train.pipeline import run_training
@@ -66,7 +66,7 @@ def test_train_eagle3_end_to_end_then_decode_losslessly(tiny8_target, tmp_path):
     head = load_head_folder(job.out_dir, model)
     assert isinstance(head, Eagle3Head)
     prompt = tok("Write a short poem about")["input_ids"]
-    out, _ = Eagle2Decoder(model, head, tok, TreeSettings(total_tokens=10, depth=3, top_k=3)).generate(
+    out, _ = Engine(model, head, tok, TreeSettings(total_tokens=10, depth=3, top_k=3)).generate(
         prompt, GenerationSettings(max_new_tokens=20, eos_token_ids=()))
     ref = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=20,
                          do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()

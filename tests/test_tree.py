@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
-from eagle2_core.tree import (batch_trees, host_ancestry, causal_attention_bias, chain_choices, choices_to_levels, rerank, rerank_batch,
-                              static_choices, tree_from_parents)
+from eagle2_core.tree import (additive, batch_trees, host_ancestry, causal_rows, chain_choices, choices_to_levels, rerank, rerank_batch,
+                              static_choices, tree_from_parents, windowed)
 
 NEG = torch.finfo(torch.float32).min
 
@@ -316,9 +316,16 @@ def test_causal_rows_brute_force():
             assert m[r, i].tolist() == [j <= int(pos[r, i]) for j in range(9)]
 
 
+def causal_attention_bias(q_len: int, past_len: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+    """The ordinary causal additive mask [1, 1, q_len, past_len + q_len], composed as the cycle composes a prefill's."""
+    q = past_len + torch.arange(q_len)[None]
+    k = torch.arange(past_len + q_len)[None]
+    return additive(windowed(causal_rows(q, past_len + q_len), q, k, window), dtype)
+
+
 def test_causal_attention_bias_brute_force():
     for q_len, past, window in [(1, 0, None), (5, 0, None), (3, 4, None), (6, 2, 3), (1, 9, 2)]:
-        b = causal_attention_bias(q_len, past, torch.bfloat16, "cpu", window)
+        b = causal_attention_bias(q_len, past, torch.bfloat16, window)
         assert b.shape == (1, 1, q_len, past + q_len)
         for i in range(q_len):
             for j in range(past + q_len):
@@ -356,7 +363,7 @@ def brute_logp(head, ctx_tokens, ctx_feats, path_tokens):
             feats.append(h_last)
         n = len(toks)
         h = head(torch.tensor([toks]), torch.stack(feats)[None], torch.arange(n)[None],
-                 attention_mask=causal_attention_bias(n, 0, torch.float32, "cpu"))[0]
+                 attention_mask=causal_attention_bias(n, 0, torch.float32))[0]
         h_last = h[-1]
     return torch.log_softmax(head.draft_logits(h_last[None]).float(), -1)[0]
 

@@ -3,8 +3,8 @@
 Per token we keep the target's last hidden state after its final norm (the EAGLE-1/2 feature,
 bf16), with `layers` also the fused input of those layers (the EAGLE-3 feature, bf16, key
 `fused`), and its top-k next-token probabilities (fp16 values, int32 ids). One pass serves both
-kinds of head, so the two can be compared on exactly the same data. The top-32 hold over 90%
-of the probability mass on SmolLM2, so the distillation loss never touches the full lm_head
+kinds of head, so the two can be compared on exactly the same data. The top-32 hold nearly all
+of the probability mass on SmolLM2 (docs/benchmarks.md), so the distillation loss never touches the full lm_head
 during training, which was the dominant cost on a CPU. Shards are safetensors, written one at a
 time, so an interrupted extraction resumes at the next shard.
 """
@@ -159,8 +159,3 @@ def load_features(out_dir: str, keys: tuple[str, ...] = ("hidden", "input_ids", 
             seqs.append({k: d[k][start : start + n] for k in keys})
             start += n
     return seqs
-
-
-def feature_layers_of(path: str) -> list[int]:
-    """The layers a shard's `fused` features were taken from ([] if none)."""
-    return json.loads(shard_metadata(path).get("layers", "[]"))

@@ -60,10 +60,6 @@ class TrainConfig:
     max_steps: int | None = None
     init_head: str | None = None  # warm start from this head folder (e.g. to go on with more data)
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
-
     def loss_settings(self, head) -> dict:
         """The head's objective, with any weight set explicitly in this config taking precedence."""
         out = dict(head.objective)
