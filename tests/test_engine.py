@@ -401,12 +401,12 @@ def test_a_fixed_cycle_dispatches_the_same_ops_and_reads_only_its_one_read(tiny_
     assert len(accepted) >= 2, accepted  # cycles that accepted different numbers of tokens
     assert all(c["ops"] == fixed[0]["ops"] for c in fixed)  # the same op sequence, not just the same count
     assert all(not c["host_reads"] for c in fixed), fixed[0]["host_reads"]
-    # The counter does see host reads: the per-cycle budget and the two-pass lm_head plan have them.
+    # The counter does see host reads: the drafting policy and the two-pass lm_head plan have them.
     live = [c for mode in ("auto", "two-pass")
             for c in (cycle_ops(make_engine(model, head, mode, 1), prompts[0], gen, cycles=3) if batch == 1
                       else batch_cycle_ops(make_engine(model, head, mode, batch), prompts, gen, cycles=3))]
     seen = {r for c in live for v in c["host_reads"].values() for r in v}
-    assert {"nonzero", "_local_scalar_dense"} <= seen, seen
+    assert "nonzero" in seen and len(seen) >= 2, seen
     print(f"\n[ops] B={batch}: fixed draft {len(fixed[0]['ops']['draft'])} verify {len(fixed[0]['ops']['verify'])} ops; "
           f"live host reads {sorted(seen)}")
 
