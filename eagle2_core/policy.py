@@ -105,16 +105,25 @@ class Acceptance:
         return np.minimum(1.0, raw * r[np.clip((raw * BINS).astype(np.int64), 0, BINS - 1)])
 
     def add(self, key: str, depth: int, raw: float, accepted: bool) -> None:
-        c = self.cells.get(key)
-        if c is None:
-            c = self.cells[key] = np.zeros((2, DEPTHS, BINS))
-        d, b = min(depth, DEPTHS) - 1, conf_bin(raw)
-        c[0, d, b] += accepted
-        c[1, d, b] += raw
-        total = c[1].sum()
-        if total > MEMORY:
-            c *= MEMORY / total
-        self._ratios.pop(key, None)
+        self.add_all([(key, depth, raw, accepted)])
+
+    def add_all(self, nodes) -> None:
+        """Outcomes (proposers, depth, raw confidence, accepted), one array update per key."""
+        by_key: dict[str, list] = {}
+        for key, depth, raw, got in nodes:
+            by_key.setdefault(key, []).append((min(depth, DEPTHS) - 1, raw, got))
+        for key, rows in by_key.items():
+            c = self.cells.get(key)
+            if c is None:
+                c = self.cells[key] = np.zeros((2, DEPTHS, BINS))
+            d, raw, got = (np.array(x) for x in zip(*rows))
+            b = np.clip((raw * BINS).astype(np.int64), 0, BINS - 1)
+            np.add.at(c[0], (d, b), got.astype(np.float64))
+            np.add.at(c[1], (d, b), raw)
+            total = c[1].sum()
+            if total > MEMORY:
+                c *= MEMORY / total
+            self._ratios.pop(key, None)
 
 
 class CostCurve:
@@ -321,8 +330,7 @@ class Policy:
         # alternative's cycle never ran, and one cycle's timing is noisier than the curve
         head_ms = self.costs.cycle(self.batch, "head", o.n, o.plan.steps)
         self.costs.learn(self.batch, o.plan.arm, o.n, o.plan.steps, o.draft_ms, o.verify_ms)
-        for key, depth, raw, got in o.nodes:
-            self.acceptance.add(key, depth, raw, got)
+        self.acceptance.add_all(o.nodes)
         self.record *= 1.0 - 1.0 / WINDOW
         if o.plan.arm == "head" and self.has_head:
             gain = o.tokens / head_ms - o.alt_tokens / o.plan.alt[2]

@@ -741,6 +741,8 @@ def test_a_skipping_head_catches_up(tiny_lm, fitted_head, monkeypatch, name, bat
         torch.testing.assert_close(la[0][..., :n, :], lb[0][..., :n, :], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(la[1][..., :n, :], lb[1][..., :n, :], rtol=1e-5, atol=1e-5)
     assert sum(summary.accepted_hist[1:]) > 0
+    if batch > 1:
+        return
     # the next request of a run whose last cycle skipped the head: its prompt is absorbed, it drafts
     monkeypatch.setattr(Policy, "head_drafts", lambda self, b: engine.cycle.slots[0].key != 1)  # request 1 skips every cycle
     drafted = collections.Counter()
