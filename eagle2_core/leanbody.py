@@ -294,8 +294,10 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * signed_sin
 
 
-# Rows of a prompt's prefill per native forward (`LeanBody.__call__`).
-PREFILL_ROWS = 128
+# Rows of a prompt's prefill per native forward (`LeanBody.__call__`): a product unpacks each weight
+# block once for all its rows, so more rows cost less each, and the loop's work buffers, kept
+# between forwards, grow with them (docs/benchmarks.md).
+PREFILL_ROWS = 256
 
 
 class LeanBody:

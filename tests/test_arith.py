@@ -227,12 +227,13 @@ def _same_bits(a, b) -> bool:
 
 
 @pytest.mark.parametrize("types", list(TYPES))
-def test_int8_prompt_rows_are_the_same_bits_whole_chunked_restored_batched_and_decoded(types):
+def test_int8_prompt_rows_are_the_same_bits_whole_chunked_restored_batched_and_decoded(types, monkeypatch):
     """int8: a prompt's last logits and every cell of its cache (each layer's K and V, so each
-    layer's activations) are bitwise the same prefilled whole, in chunks of 1, 3 and 7 rows,
-    after a prefix restored from another prompt's kept cells, in row 1 of three beside other
-    prompts, and where its cells were written by plain decoding steps instead."""
-    from eagle2_core import GenerationSettings, rowgemm
+    layer's activations) are bitwise the same prefilled whole, in chunks of 1, 3 and 7 rows
+    (admitted in pieces, or one admission run 5 rows a native forward), after a prefix restored
+    from another prompt's kept cells, in row 1 of three beside other prompts, and where its cells
+    were written by plain decoding steps instead."""
+    from eagle2_core import GenerationSettings, leanbody, rowgemm
     from eagle2_core.prefix import PrefixCache
     from eagle2_core.engine import Engine
 
@@ -245,6 +246,9 @@ def test_int8_prompt_rows_are_the_same_bits_whole_chunked_restored_batched_and_d
         whole = _prefill(model, ids)
         for size in (1, 3, 7):
             assert _same_bits(_prefill(model, ids, cuts=range(size, len(ids), size)), whole), f"chunks of {size}"
+        with monkeypatch.context() as m:
+            m.setattr(leanbody, "PREFILL_ROWS", 5)
+            assert _same_bits(_prefill(model, ids), whole), "5 rows a native forward"
         assert _same_bits(_prefill(model, ids, batch=3, row=1), whole), "row 1 of 3"
         other = ids[:17] + [(5 * i) % 48 for i in range(20)]  # shares 17 ids, then parts
         _, cells = _prefill(model, other)
