@@ -4,10 +4,11 @@ memory, time to a first answer, and the cost of k rows against one.
 Per file and engine, back to back, each measurement in a fresh child process (so its peak RSS is
 that engine's alone), with the file read once into the page cache before each child:
 
-  - first answer: `eagle2 chat --model FILE --prompt P --max-new-tokens 16` with EAGLE2_CACHE a
-    fresh empty folder (eagle2's native kernels are built beforehand, outside the timing), against
+  - first answer: `eagle2 chat --model FILE --prompt P --max-new-tokens 16` (`python3 -m eagle2_cli`
+    of the checkout --eagle2-root, this one by default) with EAGLE2_CACHE a fresh empty folder (eagle2's native kernels are built beforehand, outside the timing), against
     a child that imports llama_cpp, loads FILE and answers P with the file's chat template, 16
-    tokens greedily. Seconds are the child's wall time, start to exit, for both; peak RSS is the
+    tokens greedily. Seconds are the child's wall time, start to exit, for both (and its CPU time,
+    user + system, which other work on a shared machine inflates less); peak RSS is the
     child's VmHWM, polled (its ru_maxrss would carry this script's own peak across the exec).
   - rows: one forward of k new tokens after a 64-token prefix with logits for all k rows, k in
     1, 2, 4, 8, 16, median of 5 interleaved rounds. llama.cpp: `Llama(logits_all=True)`, `eval` of
@@ -32,6 +33,8 @@ lists AMX it does not grant (see benchmarks/llamacpp_bench.py), e.g. on an AVX-5
     python3 benchmarks/scale_bench.py --models /work/models/synth-1.7b.gguf,/work/models/qwen2.5-coder-0.5b-instruct.gguf
     python3 benchmarks/scale_bench.py --engines llama.cpp --models /work/models/synth-8b.gguf
     python3 benchmarks/scale_bench.py --models smollm2 --rows 1,2 --reps 2   # dry run on the embedded SmolLM2
+    TORCH_EXTENSIONS_DIR=/tmp/ext-old python3 benchmarks/scale_bench.py --measure answer \
+      --models /work/models/synth-1.7b.gguf --eagle2-root ../old-checkout      # an older eagle2 (its own kernel build)
 """
 from __future__ import annotations
 
@@ -203,7 +206,7 @@ def wait_for_quiet(max_wait: float, cores: float) -> float:
         time.sleep(5)
 
 
-def watch(cmd: list[str], env: dict, timeout: float, max_rss: float) -> dict:
+def watch(cmd: list[str], env: dict, timeout: float, max_rss: float, cwd: str | None = None) -> dict:
     """Run cmd in a session of its own; kill that session past `timeout` s or `max_rss` bytes.
     Returns wall seconds, the child's peak RSS (polled VmHWM) and the polled peak of its tree, the
     cores the rest of the machine kept busy meanwhile, rc, the MARK result and the output's tail
@@ -211,7 +214,7 @@ def watch(cmd: list[str], env: dict, timeout: float, max_rss: float) -> dict:
     out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
     b0, c0 = _cpu_busy()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, start_new_session=True, cwd=cwd)
     peak, hwm, why, status, ru = 0, 0, None, None, None
     while True:
         # wait4 rather than Popen.wait: its rusage is this child's CPU time alone
@@ -277,13 +280,15 @@ def run_engine(engine: str, file: str, a, env: dict, cache: str) -> dict:
         e = dict(env)
         if engine == "eagle2":
             e["EAGLE2_CACHE"] = cache  # empty for the answer; the steps child then finds its converted copy
-            cmd = (["eagle2", "chat", "--model", file, "--prompt", a.prompt, "--max-new-tokens", str(a.max_new_tokens)] + a.chat_args.split()
+            # the checkout's own CLI (an installed `eagle2` may be another one's)
+            cmd = ([sys.executable, "-m", "eagle2_cli", "chat", "--model", file, "--prompt", a.prompt, "--max-new-tokens",
+                    str(a.max_new_tokens)] + a.chat_args.split()
                    if what == "answer" else child_cmd("eagle2-steps", file, a))
         else:
             cmd = child_cmd(f"llama-{what}", file, a)
         before = wait_for_quiet(a.quiet_wait, a.quiet_cores) if a.quiet_wait else busy_cores()
         print(f"  {engine} {what} (others busy: {before:.1f} cores) ...", end="", flush=True, file=sys.stderr)
-        r = watch(cmd, e, a.timeout, limit)
+        r = watch(cmd, e, a.timeout, limit, cwd=a.eagle2_root if engine == "eagle2" else None)  # `-m` and `-c` put the cwd first on the path
         r["others_cores_before"] = before
         if what == "answer" and engine == "eagle2" and not r["failed"] and not r["stdout_tail"].strip():
             r["failed"] = "no answer printed"
@@ -295,11 +300,11 @@ def run_engine(engine: str, file: str, a, env: dict, cache: str) -> dict:
     return rec
 
 
-def prepare_eagle2(env: dict) -> str | None:
+def prepare_eagle2(env: dict, root: str) -> str | None:
     """Build (or find) eagle2's native kernels outside any timing: the first answer is timed with
     the kernels built, as on every run after the first on a machine."""
     code = "from eagle2_core import native, leanbody; native.module(); leanbody.native_loop(); print(native.status())"
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800, cwd=root)
     return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["?"])[-1]
 
 
@@ -321,6 +326,7 @@ def summarize(models: list[dict], rows: list[int]) -> list[dict]:
             row = {"file": m["file"], "size_gb": m["bytes"] / 1e9, "engine": engine}
             row["peak_rss_gb"] = None if _fmt_fail(ans) else ans["peak_rss"] / 1e9
             row["first_answer_s"] = None if _fmt_fail(ans) else ans["wall_s"]
+            row["first_answer_cpu_s"] = None if _fmt_fail(ans) else ans["cpu_s"]
             row["answer_failed"] = _fmt_fail(ans)
             if engine == "llama.cpp" and ans and ans.get("result"):
                 row["answer_tokens"] = ans["result"]["tokens"]
@@ -350,7 +356,8 @@ def print_table(flat: list[dict], rows: list[int], header: str) -> None:
     for r in flat:
         name = f"{os.path.basename(r['file'])} ({r['size_gb']:.2f} GB)"
         rss = r["answer_failed"] or f"{r['peak_rss_gb']:.2f} GB"
-        first = "" if r["answer_failed"] else f"{r['first_answer_s']:.1f} s" + (f" ({r['answer_tokens']} tokens)" if r.get("answer_tokens") else "")
+        first = "" if r["answer_failed"] else (f"{r['first_answer_s']:.1f} s (CPU {r['first_answer_cpu_s']:.1f} s)"
+                                               + (f" ({r['answer_tokens']} tokens)" if r.get("answer_tokens") else ""))
         if r["steps_failed"]:
             one, own, lc = r["steps_failed"], "", ""
         else:
@@ -382,6 +389,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--chat-args", default="", help="extra arguments for `eagle2 chat`, e.g. --no-baseline")
+    ap.add_argument("--eagle2-root", default=os.path.dirname(HERE), help="the checkout whose eagle2 is measured (default: this one)")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per child before it is killed")
     ap.add_argument("--max-rss-gb", type=float, default=20, help="resident GB of a child's process tree before it is killed")
     ap.add_argument("--quiet-wait", type=float, default=0, help="before each child, wait up to this many seconds for the "
@@ -404,15 +412,17 @@ def main(argv=None) -> int:
     rows = sorted({int(r) for r in a.rows.split(",")})
     a.rows = ",".join(map(str, rows))
     engines = [e.strip() for e in a.engines.split(",") if e.strip()]
-    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads), PYTHONUNBUFFERED="1")
+    root = a.eagle2_root = os.path.abspath(a.eagle2_root)
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads), PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     files = [resolve(m.strip()) for m in a.models.split(",") if m.strip()]
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    commit = subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     # the engine measured is the working tree's: say so where it differs from the commit
-    if subprocess.run(["git", "-C", HERE, "status", "--porcelain", "--", "../eagle2_core", "../eagle2_cli"],
+    if subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "eagle2_core", "eagle2_cli"],
                       capture_output=True, text=True).stdout.strip():
         commit += " with uncommitted edits"
-    eagle2_prep = prepare_eagle2(env) if "eagle2" in engines else None
+    eagle2_prep = prepare_eagle2(env, root) if "eagle2" in engines else None
     if eagle2_prep:
         print(f"eagle2's native kernels did not build ({eagle2_prep}); its figures are those of the fallback paths", file=sys.stderr)
     models = []
