@@ -9,7 +9,7 @@ import os
 import pytest
 
 N_PROMPTS, MAX_NEW = 3, 48
-# The head's quality is read on a constant tree with the gate off (TreeSettings(): 4 nodes, depth 2,
+# The head's quality is read on a constant tree drafting every cycle (TreeSettings(): 4 nodes, depth 2,
 # top-k 2, the tree `--total-tokens N` starts from), where greedy decoding makes tau a function of
 # the head and the prompts alone. The CPU default decoder chooses its tree per cycle from timed
 # costs, so on a loaded machine its tau moves with the load: it is checked for identity and for
@@ -50,7 +50,7 @@ def test_shipped_head_default_decoder_is_lossless_and_drafts_well(smollm2, arith
     rowgemm.set_arithmetic(arithmetic)  # the fixture restores the runtime's for the next test
     model = rt.model
     default = rt.eagle(sources=("head",))  # the head alone: no head-free source lifts tau
-    constant = rt.eagle(tree=TreeSettings(), sources=("head",), gate=False)
+    constant = rt.eagle(tree=TreeSettings(), sources=("head",))
     plain = BatchedEagle(rt, 1, 1)
     eos = sorted(model_eos_ids(model, rt.tokenizer))
     totals = {"default": Summary(), "constant": Summary()}
