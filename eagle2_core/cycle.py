@@ -163,6 +163,9 @@ class Cycle:
         # forward over them (a prefill of the head) rather than absorbing every cycle it does not
         # draft. None: nothing kept. (At batch > 1 a skipping head absorbs each cycle: `_skip_head`.)
         self.paused: list | None = None
+        # whether this cycle's verified rows feed the recycling table: not in the plain cycles
+        # that do not look at the head-free trees (policy.Policy.look), which would not read it
+        self.noting = self.sources is not None
         self.last: dict = {}
         self.seen: dict = {}
         self.backend = backend if fixed else None
@@ -599,7 +602,7 @@ class Cycle:
         hidden, feats = self.forward_tree(tokens, depth, anc, seq_len)
         b, n = tokens.shape
         logits = self.run.logits(hidden.reshape(b * n, -1))
-        if self.sources is not None:  # live mode only (never captured): the recycling table learns every busy row
+        if self.noting:  # live mode only (never captured): the recycling table learns every busy row
             busy = self.state.active[:, None].expand(b, n).reshape(-1)
             return self.sources.argmax_noted(tokens, logits, busy).view(b, n), feats
         return logits.argmax(-1).view(b, n), feats
@@ -651,7 +654,7 @@ class Cycle:
         idx = need.flatten().nonzero().flatten()
         if idx.numel():
             logits = self.run.logits(hidden.reshape(b * n, -1)[idx])
-            argmax.view(-1)[idx] = (self.sources.argmax_noted(tokens.reshape(-1)[idx], logits) if self.sources is not None
+            argmax.view(-1)[idx] = (self.sources.argmax_noted(tokens.reshape(-1)[idx], logits) if self.noting
                                     else logits.argmax(-1))
         sampled, kept = {}, {}
         for i, s in enumerate(self.slots):
@@ -693,7 +696,7 @@ class Cycle:
 
     def _scored(self, slot: Slot, hidden, tree, nodes):
         logits = self.run.logits(hidden)
-        if self.sources is not None and tree is not None:
+        if self.noting and tree is not None:
             self.sources.note_logits(tree.tokens if nodes is None else tree.tokens[nodes], logits)
         if slot.procs is not None and slot.procs.active:
             hist = torch.tensor(slot.prompt + slot.tokens[:-1], dtype=torch.long, device=hidden.device)  # every token before the root
@@ -731,6 +734,10 @@ class Cycle:
         they cost no draft step, and their worth says how much room the head has."""
         st, policy = self.state, self.policy
         free = None
+        self.noting = self.sources is not None
+        if policy is not None and not policy.look():
+            self.noting = False
+            return Plan("plain"), None
         if self.sources is not None and self.sources.head_free:
             free = self._grow_rows(None, st.root, "free", 0)
         if policy is None:

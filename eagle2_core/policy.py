@@ -33,7 +33,9 @@ PRIOR = 2.0                   # pseudo-acceptances behind every ratio: a cell mo
 MEMORY = 30.0                 # predicted acceptances a source's cells keep, the older scaled down: the text drifts
 PRIOR_CYCLES = 4.0            # pseudo-cycles behind the cost profile's figures
 PATIENCE = 8                  # head cycles pooled behind each bin's own record (a few cycles judge by chance)
-WINDOW = 64                   # cycles: the head's record and each arm's overhead keep about this many (the text drifts)
+WINDOW = 64                   # cycles: the head's record (its own cycles) and each arm's overhead keep about this many (the text drifts)
+FADE = 256                    # cycles over which a record the head no longer renews fades, so it is tried again
+LOOK = 4                      # in a stretch of plain cycles, the other arms are looked at (their trees grown) one cycle in this many
 EDGES = (1.3, 1.6, 2.0, 2.6, 3.5)  # expected tokens of the head-free tree: bins of the room left for the head
 ARMS = ("plain", "free", "head")
 
@@ -235,6 +237,7 @@ class Policy:
         self.record = np.zeros((len(EDGES) + 1, 4))
         self.rng = np.random.default_rng(0)  # the head's draws (the output never depends on them)
         self.expected = 1.0  # the last sized tree's expected tokens per row
+        self.plain_run = 0   # plans in a row that chose plain
         # how much of a front node's path probability its best child keeps, weighted by that path
         # probability (the mass that carries a tree's expected tokens): what a deeper level adds
         self.keep = [PRIOR * 0.5, PRIOR]
@@ -283,7 +286,17 @@ class Policy:
             return plan
         if not self.head_drafts(b):
             plan.arm = alt[0]
+        self.plain_run = self.plain_run + 1 if plan.arm == "plain" else 0
         return plan
+
+    def look(self) -> bool:
+        """Whether this cycle plans at all: in a stretch of plain cycles the head-free trees (and
+        the head's draw) are looked at one cycle in LOOK, since growing them costs host time a
+        plain cycle would not spend; a cycle that does not look decodes plain."""
+        if self.plain_run < 2 or self.plain_run % LOOK == 0:
+            return True
+        self.plain_run += 1
+        return False
 
     def size(self, probs, arm: str, steps: int) -> int:
         """The tree size (root included, 1 = plain) for the drafted scores [rows, m], best first."""
@@ -331,8 +344,9 @@ class Policy:
         head_ms = self.costs.cycle(self.batch, "head", o.n, o.plan.steps)
         self.costs.learn(self.batch, o.plan.arm, o.n, o.plan.steps, o.draft_ms, o.verify_ms)
         self.acceptance.add_all(o.nodes)
-        self.record *= 1.0 - 1.0 / WINDOW
+        self.record *= 1.0 - 1.0 / FADE
         if o.plan.arm == "head" and self.has_head:
+            self.record *= 1.0 - 1.0 / WINDOW
             gain = o.tokens / head_ms - o.alt_tokens / o.plan.alt[2]
             self.record[o.plan.bin] += (1, gain, gain * gain, 1.0 / o.plan.alt[2])
 
