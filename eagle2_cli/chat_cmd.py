@@ -384,6 +384,8 @@ def chat(prompts, show_draft, compare_each, no_baseline, baseline_tokens, no_cal
     from .ui import consoles
 
     out, err = consoles()
+    if common.total_tokens == 1:  # plain decoding (--no-speculation, --total-tokens 1): nothing drafts
+        common.total_tokens, common.no_speculation = None, True
     rt = common.load(err, defer_layout=True)  # the int8 layout after the first answer (ChatApp.settle)
     constrain(rt, constraint)
     if not no_prefix_cache:

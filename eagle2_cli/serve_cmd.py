@@ -63,12 +63,15 @@ def serve(host, port, api_key, cors, batch_size, max_queue, grace, prefill_chunk
     _, err = consoles()
     if api_key is not None and not api_key.strip():
         raise UserInputError("--api-key is empty")
+    tree_tokens = common.total_tokens
+    if tree_tokens == 1:  # plain decoding (--no-speculation, --total-tokens 1): the engine's cycle with a tree of one node
+        common.total_tokens = None
     rt = common.load(err)
     if not no_prefix_cache:
         from eagle2_core.prefix import PrefixCache
 
         rt.prefix_cache = PrefixCache(prefix_cache_mb)
-    engine, plan = rt.batch_decoder(64, None if batch_size == "auto" else batch_size, common.total_tokens, depth=common.depth,
+    engine, plan = rt.batch_decoder(64, None if batch_size == "auto" else batch_size, tree_tokens, depth=common.depth,
                                     top_k=common.tree_top_k)
     if engine is None:
         engine = rt.eagle()

@@ -269,8 +269,8 @@ class Runtime:
               graph: bool | None = None, sources: tuple | None = None) -> Engine:
         """A decoder with this runtime's settings; `tree`, `compile`, `graph` and the draft `sources` override them."""
         tree = tree or self.tree
-        if self.head is None and not self.sources and tree.total_tokens != 1:  # one node: plain decoding needs no draft
-            raise LoadError("no draft head loaded")
+        if self.head is None and not self.sources:  # nothing drafts (--no-speculation): plain decoding, whatever the tree
+            tree = TreeSettings.for_device(self.model.get_output_embeddings().weight.device, self.model.dtype)
         if compile is None:
             backend = self.compile if supports_graph(tree) else None
         else:
