@@ -81,6 +81,9 @@ class CommonOptions:
 
         from .ui import status
 
+        tree = self.tree_overrides()
+        if tree["total_tokens"] == 1:  # plain decoding: a one-node tree, nothing to draft or load for drafting
+            tree["total_tokens"], need_head = None, False
         need_head = need_head and not self.no_speculation
         if self.system_prompt and text_problem(self.system_prompt):  # argv bytes that are not UTF-8: said before loading
             raise InputError(text_problem(self.system_prompt), path="--system-prompt")
@@ -92,7 +95,7 @@ class CommonOptions:
         with status(console, what + "..."):
             rt = Runtime.load(self.model, self.draft, dtype=self.dtype, device=self.device, device_map=self.device_map,
                               load_in_8bit=self.load_in_8bit, load_in_4bit=self.load_in_4bit,
-                              trust_remote_code=self.trust_remote_code, tree=self.tree_overrides(),
+                              trust_remote_code=self.trust_remote_code, tree=tree,
                               gen_overrides=self.generation_overrides(), use_generation_config=self.generation_config,
                               sample_by_default=sample_by_default, system_prompt=self.system_prompt, chat_template=template,
                               need_head=need_head, compile=self.compile, draft_sources=self.draft_sources, exact=self.exact,

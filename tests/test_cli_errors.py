@@ -180,3 +180,16 @@ def test_no_speculation_decodes_plain_with_nothing_drafting(tmp_path, tiny_model
         errs.append(r.stderr)
     assert outs[0] == outs[1] and len(outs[0]) == 2
     assert "plain decoding" in errs[0] and "head-free sources" not in errs[0] and "head-free sources" in errs[1]
+
+
+@pytest.mark.parametrize("command", ["chat", "compare"])
+def test_no_speculation_loads_and_decodes_plain_in_chat_and_compare(tmp_path, tiny_model_dir, command):
+    """A one-node tree is plain decoding, not a tree setting out of range: chat and compare load with
+    --no-speculation and answer (the model's own text, nothing drafted)."""
+    inp = tmp_path / "p.jsonl"
+    inp.write_text('{"prompt": "Hello"}\n')
+    args = ["chat", "-n", "4", "--no-baseline"] if command == "chat" else ["compare", "--no-vanilla", "-f", str(inp), "-n", "4"]
+    r = CliRunner().invoke(cli, [*args, "--no-speculation", "--model", tiny_model_dir, "--device", "cpu", "--dtype", "float32"],
+                           input="Hello\n")
+    assert r.exit_code == 0, r.output
+    assert "total_tokens must be" not in r.output
