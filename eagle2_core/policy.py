@@ -147,6 +147,7 @@ class CostCurve:
                 prior = np.array([bc.verify(b, n) for n in range(1, self.n_max + 1)])
             else:
                 prior = self.profile.verify_table(b * self.n_max)[b - 1 :: b][: self.n_max].double().numpy()
+            prior = monotone(prior, np.ones_like(prior))  # a probe timed once on a busy machine may dip: no size is cheaper than a smaller one
             st = self._by_batch[b] = {"prior": prior, "sum": np.zeros(self.n_max), "n": np.zeros(self.n_max), "table": None,
                                       "steps": np.zeros(4), "cycles": 0, "step": None, "over": {a: [0.0, 0.0] for a in ARMS}}
         return st
