@@ -12,8 +12,8 @@ EAGLE-2 (Li et al., 2024, section 4) builds the tree in two phases:
   * rerank: among every node drafted in the expansion phase, keep the `budget` with the highest
     path score. A child's path score never exceeds its parent's, so the kept set is a tree.
 The functions below are those two steps plus the mask/position bookkeeping; the loop that calls
-the draft head is `cycle.Cycle.draft_fn` (its tree growth: `Cycle._grow_dynamic` and
-`Cycle._grow_static`). Every function takes a batch of trees, one per sequence.
+the draft head is `drafter.Drafter.draft_fn` (its tree growth: `Drafter._grow_dynamic` and
+`Drafter._grow_static`). Every function takes a batch of trees, one per sequence.
 """
 from __future__ import annotations
 

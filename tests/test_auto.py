@@ -92,12 +92,13 @@ def test_quick_probes_measure_few_sizes_once_and_serve_later_loads(tmp_path, mon
     the next load of either kind, and `eagle2 tune`'s remeasure replaces it with the whole grid."""
     import eagle2_core.measure as measure
     from eagle2_core.cycle import Cycle
+    from eagle2_core.verifier import Verifier
 
     monkeypatch.setenv("EAGLE2_CACHE", str(tmp_path))
     model = tiny_lm("llama", vocab_size=VOCAB, max_position_embeddings=MAXPOS)
     verifies, prompts = [], []
-    real_verify, real_admit = Cycle.tree_argmax, Cycle.admit
-    monkeypatch.setattr(Cycle, "tree_argmax", lambda self, ids, *a, **k: verifies.append(ids.shape[-1]) or real_verify(self, ids, *a, **k))
+    real_verify, real_admit = Verifier.tree_argmax, Cycle.admit
+    monkeypatch.setattr(Verifier, "tree_argmax", lambda self, ids, *a, **k: verifies.append(ids.shape[-1]) or real_verify(self, ids, *a, **k))
     monkeypatch.setattr(Cycle, "admit", lambda self, row, ids, *a, **k: prompts.append(len(ids)) or real_admit(self, row, ids, *a, **k))
     quick = measure.load_or_measure(model, None, quick=True)
     assert quick.quick and sorted(quick.verify_ms) == list(measure.QUICK_VERIFY_ROWS) and quick.stream_floor_ms is None

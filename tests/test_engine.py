@@ -515,7 +515,7 @@ def prefill_reference(run: TargetRunner, ids: torch.Tensor, layers: int):
 def test_committed_paths_equal_the_sequential_cache(tiny_lm, arch):
     """Two rows with prefixes of different lengths (longer than the sliding windows; the second
     grows the cache, whose first row must survive), prefilled by `Cycle.admit`; a random 12-node
-    tree per row verified in one forward (`Cycle.forward_tree`); `KVCache.commit` of a random
+    tree per row verified in one forward (`Verifier.forward_tree`); `KVCache.commit` of a random
     root-to-node path per row: each row's keys and values, every layer, equal those of running its
     prefix + path tokens causally, and the path nodes' hidden states equal the sequential ones."""
     rng = random.Random(CORE_ARCHS.index(arch))
@@ -535,7 +535,7 @@ def test_committed_paths_equal_the_sequential_cache(tiny_lm, arch):
         parents = torch.tensor([[-1] + [rng.randrange(i) for i in range(1, n)] for _ in range(2)])
         tokens = torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
         depth, anc = batch_trees(parents, n - 1)
-        hidden, _ = cycle.forward_tree(tokens, depth, anc, cycle.state.seq_len)
+        hidden, _ = cycle.verifier.forward_tree(tokens, depth, anc, cycle.state.seq_len)
         paths = []
         for b in range(2):
             node = max(range(n), key=lambda i: (int(depth[b, i]), rng.random())) if b == 0 else rng.randrange(n)

@@ -24,7 +24,7 @@ path / bonus at depth 1 and 2, or from a second cycle.
       - no_temperature (reported only): the warpers without the temperature;
     required: >= 0.999 against stale_uniform at T1, against stale_uniform and unprocessed at
     T0.8/top-k 3/top-p 0.9 (printed with -s); the same statistic must then actually reject each
-    bug when it is monkeypatched into the engine (`eagle2_core.cycle.accept_sampling_keyed`,
+    bug when it is monkeypatched into the engine (`eagle2_core.verifier.accept_sampling_keyed`,
     and the processors of `sampling.TargetProcessors`), and accept the bug's own law.
 
 N is the smallest multiple of 50 meeting the requirement (the exact analytic test above already
@@ -49,7 +49,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-import eagle2_core.cycle as cycle_mod
+import eagle2_core.verifier as verifier_mod
 import eagle2_core.engine as engine_mod
 from eagle2_core import Engine, GenerationSettings, TreeSettings
 from eagle2_core.head import DraftHead, HeadSpec
@@ -129,7 +129,7 @@ def capture_trees(dec, gen: GenerationSettings, x1: int, forced: list, monkeypat
         return next(outcomes, ([0], 0))
 
     with monkeypatch.context() as mp:
-        mp.setattr(cycle_mod, "accept_sampling_keyed", fake_accept)
+        mp.setattr(verifier_mod, "accept_sampling_keyed", fake_accept)
         mp.setattr(engine_mod, "first_token", lambda scores, seed: x1)  # the prefill's draw
         dec.generate(PROMPT, GenerationSettings(**{**vars(gen), "max_new_tokens": MAX_NEW, "seed": 0}))
     return seen
@@ -228,7 +228,7 @@ def test_broken_rule_is_rejected(env, rule, monkeypatch):
         if rule == "unprocessed":
             unprocessed(mp)
         else:
-            mp.setattr(cycle_mod, "accept_sampling_keyed", broken_keyed_rule(rule))
+            mp.setattr(verifier_mod, "accept_sampling_keyed", broken_keyed_rule(rule))
         counts = sample_counts(env["dec"], GENS[name], n)
     outside = sum(c for k, c in counts.items() if laws["exact"].get(k, 0.0) <= 0)  # outcomes the target's law cannot give
     if outside:  # rejected outright (pooled_chisquare refuses such counts)

@@ -245,7 +245,7 @@ def brute_tree_mask(past: int, parents: list[int], view: int, window):
 
 @pytest.mark.parametrize("seed", range(25))
 def test_context_and_tree_mask_brute_force(seed):
-    """The verify mask as cycle.Cycle.forward_tree builds it, for a batch of trees of one size
+    """The verify mask as verifier.Verifier.forward_tree builds it, for a batch of trees of one size
     whose rows have different context lengths, against brute force per row."""
     from eagle2_core.tree import additive, batch_trees, context_and_tree, windowed
 
@@ -380,6 +380,7 @@ def test_draft_children_are_head_top_ranks(random_head, shape, fixed, monkeypatc
     Live mode attends over the longest row; fixed mode over the whole capacity bucket, whose
     stale cells must stay hidden."""
     import eagle2_core.cycle as cycle_mod
+    import eagle2_core.drafter as drafter_mod
     from eagle2_core.target import TargetRunner
     from eagle2_core.tree import row_tree
     from eagle2_core.treesettings import TreeSettings
@@ -390,7 +391,7 @@ def test_draft_children_are_head_top_ranks(random_head, shape, fixed, monkeypatc
         pools.append((pool_tokens.tolist(), pool_parents.tolist(), pool_scores.tolist()))
         return rerank_batch(pool_tokens, pool_parents, pool_scores, *args, **kw)
 
-    monkeypatch.setattr(cycle_mod, "rerank_batch", spy_rerank)
+    monkeypatch.setattr(drafter_mod, "rerank_batch", spy_rerank)
     model, head = random_head
     settings = TreeSettings(shape=shape, total_tokens=10 if shape != "chain" else 4, depth=3, top_k=3)
     cycle = cycle_mod.Cycle(TargetRunner(model), head, settings, batch=2, capacity=8, fixed=fixed)
