@@ -4,7 +4,8 @@ resident memory before and after a request with a large max_tokens.
 Starts the server (a subprocess, 127.0.0.1, a free port, the given batch size), times `--short`
 8-token completions one after another (the median), reads the server's VmRSS, sends one request
 with `--long` max_tokens (4096, or 10**9, which the server clamps to the context), waits a second
-for the engine to go idle, then times the short requests and reads VmRSS again.
+for the engine to go idle, then times the short requests and reads VmRSS again. The prefix cache's own gauge (/metrics)
+splits the change into what it keeps on purpose, within --prefix-cache-mb, and the rest.
 
     python3 benchmarks/serve_kv_bench.py [--batch-size 16] [--long 4096] [--json out.json] [-- serve options]
 """
@@ -37,6 +38,15 @@ def post(base: str, body: dict, route: str = "/v1/completions") -> dict:
         return json.loads(r.read())
 
 
+def kept_mb(base: str) -> float:
+    """Megabytes the prefix cache says it holds (eagle2_prefix_cache_bytes in /metrics; 0 without one)."""
+    with urllib.request.urlopen(base + "/metrics", timeout=60) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("eagle2_prefix_cache_bytes "):
+                return float(line.split()[1]) / 2**20
+    return 0.0
+
+
 def short_times(base: str, n: int) -> list[float]:
     out = []
     for i in range(n):
@@ -58,7 +68,7 @@ def main(argv=None) -> int:
     try:
         short_times(base, 2)  # warm-up: first-request costs are not what is measured
         before = short_times(base, args.short)
-        rss0 = vm_rss_mb(proc.pid)
+        rss0, kept0 = vm_rss_mb(proc.pid), kept_mb(base)
         t0 = time.perf_counter()
         # a chat request: the instruct model answers at length (a bare completion prompt may end at once)
         r = post(base, {"messages": [{"role": "user", "content": "Write a very long story about a lighthouse keeper, chapter by chapter."}],
@@ -66,14 +76,16 @@ def main(argv=None) -> int:
         long_s = time.perf_counter() - t0
         time.sleep(1.0)
         after = short_times(base, args.short)
-        rss1 = vm_rss_mb(proc.pid)
+        rss1, kept1 = vm_rss_mb(proc.pid), kept_mb(base)
     finally:
         stop(proc)
     res = {"cpu": cpu_name(), "batch_size": args.batch_size, "long_max_tokens": args.long,
            "long_tokens": r["usage"]["completion_tokens"], "long_s": round(long_s, 2),
            "short_before_s": round(statistics.median(before), 4), "short_after_s": round(statistics.median(after), 4),
            "ratio": round(statistics.median(after) / statistics.median(before), 3),
-           "rss_before_mb": round(rss0), "rss_after_mb": round(rss1), "rss_delta_mb": round(rss1 - rss0)}
+           "rss_before_mb": round(rss0), "rss_after_mb": round(rss1), "rss_delta_mb": round(rss1 - rss0),
+           # what the prefix cache keeps on purpose (bounded by --prefix-cache-mb), and the rest
+           "prefix_cache_delta_mb": round(kept1 - kept0), "rss_delta_less_prefix_cache_mb": round(rss1 - rss0 - (kept1 - kept0))}
     print(json.dumps(res, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from . import rowgemm
 from .kvcache import KVCache
 
 
@@ -141,6 +142,7 @@ class Rows:
                 if s is None:  # an idle row still runs in every forward, at its own cells: from cell 0 it needs no room
                     st.seq_len[i], st.head_len[i], st.n_new[i], self.host_len[i] = 0, 0, 1, 0
             self._resize(2 * want)
+            rowgemm.trim_heap()  # the long rows' step temporaries were freed to the C heap, which keeps them resident
 
     def occupy(self, b: int, slot: Slot, n: int, root: int) -> None:
         """Row b holds `slot`, whose prompt of `n` tokens is in the target's cache."""
