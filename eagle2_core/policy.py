@@ -36,6 +36,7 @@ PATIENCE = 8                  # head cycles pooled behind each bin's own record 
 WINDOW = 64                   # cycles: the head's record (its own cycles) and each arm's overhead keep about this many (the text drifts)
 FADE = 256                    # cycles over which a record the head no longer renews fades, so it is tried again
 LOOK = 4                      # in a stretch of plain cycles, the other arms are looked at (their trees grown) one cycle in this many
+LOOK_MAX = 8                  # ... and at least one in this many: a new stretch of copying is missed for at most this many tokens
 EDGES = (1.3, 1.6, 2.0, 2.6, 3.5)  # expected tokens of the head-free tree: bins of the room left for the head
 ARMS = ("plain", "free", "head")
 
@@ -280,21 +281,22 @@ class Policy:
             if r_free > r_plain:
                 alt = ("free", free_n, ms_free, expected)
         if not self.has_head:
-            return Plan(alt[0], free_n, alt=alt)
-        b = sum(expected >= e for e in EDGES)
-        plan = Plan("head", free_n, b, alt)
-        if not can_skip_head:
-            return plan
-        if not self.head_drafts(b):
-            plan.arm = alt[0]
+            plan = Plan(alt[0], free_n, alt=alt)
+        else:
+            b = sum(expected >= e for e in EDGES)
+            plan = Plan("head", free_n, b, alt)
+            if can_skip_head and not self.head_drafts(b):
+                plan.arm = alt[0]
         self.plain_run = self.plain_run + 1 if plan.arm == "plain" else 0
         return plan
 
     def look(self) -> bool:
         """Whether this cycle plans at all: in a stretch of plain cycles the head-free trees (and
-        the head's draw) are looked at one cycle in LOOK, since growing them costs host time a
+        the head's draw) are looked at one cycle in LOOK, fewer as the stretch goes on, since growing them costs host time a
         plain cycle would not spend; a cycle that does not look decodes plain."""
-        if self.plain_run < 2 or self.plain_run % LOOK == 0:
+        # the longer plain has won, the less likely the next look pays: looks thin out to one in LOOK_MAX
+        gap = min(LOOK_MAX, max(LOOK, (1 << max(0, self.plain_run.bit_length() - 1)) // LOOK))  # 4 below 32 cycles, then 8, 16...
+        if self.plain_run < 2 or self.plain_run % gap == 0:
             return True
         self.plain_run += 1
         return False
