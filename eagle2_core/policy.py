@@ -292,10 +292,10 @@ class Policy:
 
     def look(self) -> bool:
         """Whether this cycle plans at all: in a stretch of plain cycles the head-free trees (and
-        the head's draw) are looked at one cycle in LOOK, fewer as the stretch goes on, since growing them costs host time a
-        plain cycle would not spend; a cycle that does not look decodes plain."""
-        # the longer plain has won, the less likely the next look pays: looks thin out to one in LOOK_MAX
-        gap = min(LOOK_MAX, max(LOOK, (1 << max(0, self.plain_run.bit_length() - 1)) // LOOK))  # 4 below 32 cycles, then 8, 16...
+        the head's draw) are looked at one cycle in LOOK, then in LOOK_MAX, since growing them costs
+        host time a plain cycle would not spend; a cycle that does not look decodes plain."""
+        # the longer plain has won, the less likely the next look pays: the gap doubles with the stretch, up to LOOK_MAX
+        gap = min(LOOK_MAX, max(LOOK, (1 << max(0, self.plain_run.bit_length() - 1)) // LOOK))
         if self.plain_run < 2 or self.plain_run % gap == 0:
             return True
         self.plain_run += 1
