@@ -3,11 +3,11 @@
 Most of a first answer's time on a CPU is imports (torch, then transformers' model code). Two
 parts of transformers' are work no eagle2 command uses, done at import:
 
-- transformers makes its lazy import structure by walking its `models` folder (some 560 model
-  folders, every file's text read) once for the top-level package and again for
-  `transformers.models`. The walk's `lru_cache` holds 128 folders, fewer than it walks, so the
-  second walk finds none of the first's: with an unbounded cache (the same function, the same
-  results) it is one folder's listing.
+- transformers makes its lazy import structure by walking its `models` folder (every model's
+  folder, every file's text read) once for the top-level package and again for
+  `transformers.models`. The walk's `lru_cache` holds fewer folders than it walks, so the second
+  walk finds none of the first's: with an unbounded cache (the same function, the same results)
+  it is one folder's listing.
 - transformers' loss modules import `scipy.optimize` at import for one function (the Hungarian
   matching of object detection's losses). That name is bound to a forwarder that imports scipy
   when first called; `scipy.optimize` imported by anything else is scipy's own, as before.
