@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import importlib.abc
-import importlib.machinery
 import os
 import sys
 
