@@ -1,4 +1,4 @@
 """`python -m eagle2_cli` = `eagle2`."""
-from .main import cli
+from .main import run
 
-cli(prog_name="eagle2")
+run()

@@ -408,3 +408,6 @@ def chat(prompts, show_draft, compare_each, no_baseline, baseline_tokens, no_cal
         app.repl(history_file or history_path())
     else:
         app.run_lines(app.stdin_lines(sys.stdin))
+    from .main import TEARDOWN_FREE
+
+    TEARDOWN_FREE["ok"] = True  # every answer printed, /save's files closed: `eagle2` may skip the interpreter's teardown

@@ -81,3 +81,38 @@ cli.add_command(compare)
 cli.add_command(train)
 cli.add_command(tune)
 cli.add_command(serve)
+
+
+# Set by a command whose output is all written and closed when it returns (`chat`): the process
+# may then end without the interpreter's teardown (`run`).
+TEARDOWN_FREE = {"ok": False}
+
+
+def run() -> None:
+    """The `eagle2` command (`python -m eagle2_cli`): `cli`, then, where the command allows it,
+    an exit without the interpreter's teardown. A loaded model is millions of objects and
+    thousands of modules that the interpreter would free one by one before the process ends
+    (a measurable share of a one-turn chat's time, docs/benchmarks.md), where the kernel frees
+    the memory at once. Exit handlers still run and stdout/stderr are flushed; with a thread
+    still running, a failed flush or an error exit, the ordinary exit."""
+    try:
+        cli(prog_name="eagle2")
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    if code in (0, None) and TEARDOWN_FREE["ok"]:
+        import atexit
+        import threading
+
+        if not any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+            atexit._run_exitfuncs()
+            try:
+                for stream in (sys.stdout, sys.stderr):
+                    if stream is not None:
+                        stream.flush()
+            except (OSError, ValueError):
+                pass  # the ordinary exit reports it
+            else:
+                os._exit(0)
+    sys.exit(code)
+

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import importlib
 
+from . import importtrims
+
+importtrims.install()  # before anything imports transformers (importtrims.py: nothing they do changes)
+
 # The package's names and the modules that define them, imported on first use: `import eagle2_core`
 # (or of a light module of it, such as prompts) does not pay for torch and transformers' model code.
 _EXPORTS = {"Engine": "engine", "GenerationSettings": "events", "StepEvent": "events",

@@ -25,6 +25,8 @@ _WIDTHS = {t: struct.calcsize("<" + f) for t, f in _FORMATS.items()}
 _NUMPY = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32", 7: "bool",
           10: "uint64", 11: "int64", 12: "float64"}
 _STRING, _ARRAY = 8, 9
+# what transformers' `_gguf_parse_value` makes of a fixed-size value of each type
+_CONVERT = {**{t: int for t in (0, 1, 2, 3, 4, 5, 10, 11)}, 6: float, 12: float, 7: bool}
 
 
 class Unusual(Exception):
@@ -226,8 +228,9 @@ def _check_tensors(table, data_start: int, end: int) -> None:
 
 class served:
     """Inside the block, gguf-py's GGUFReader and transformers' `read_gguf_metadata` answer for the
-    file `meta` was parsed from out of `meta` (other files still go to the real readers). The
-    names are swapped module-wide, as a load reads its metadata on one thread."""
+    file `meta` was parsed from out of `meta` (other files still go to the real readers), and
+    transformers reads the stand-in reader's array elements in one step each. The names are
+    swapped module-wide, as a load reads its metadata on one thread."""
 
     def __init__(self, meta: Metadata):
         self.meta = meta
@@ -269,9 +272,25 @@ class served:
                 loaded.append(real_load(path, False))
             return _copied(loaded[0])
 
+        real_parse = hf_utils._gguf_parse_value
+
+        def parse_value(value, data_type):
+            # An array element of the stand-in reader (_reader_of), read to what transformers'
+            # reading gives, in one step rather than its two calls and a list per element: a
+            # string's bytes decoded, a number's 1-tuple converted. Anything else: transformers'.
+            if type(data_type) is list and len(data_type) == 2 and data_type[0] == _ARRAY:
+                kind = data_type[1]
+                if kind == _STRING and type(value) is bytes:
+                    return value.decode()
+                if type(value) is tuple and kind in _CONVERT:
+                    return _CONVERT[kind](value[0])
+            return real_parse(value, data_type)
+
         self.saved = [(gguf, "GGUFReader", real_reader), (hf_reader, "read_gguf_metadata", real_read),
-                      (hf_gguf, "read_gguf_metadata", real_read), (hf_utils, "load_gguf_checkpoint", real_load)]
+                      (hf_gguf, "read_gguf_metadata", real_read), (hf_utils, "load_gguf_checkpoint", real_load),
+                      (hf_utils, "_gguf_parse_value", real_parse)]
         hf_utils.load_gguf_checkpoint = load_gguf_checkpoint
+        hf_utils._gguf_parse_value = parse_value
         gguf.GGUFReader = reader
         hf_reader.read_gguf_metadata = read_gguf_metadata
         hf_gguf.read_gguf_metadata = read_gguf_metadata  # the lazy package's name, as tokenization_auto imports it

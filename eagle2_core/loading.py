@@ -191,7 +191,9 @@ def _load_gguf(folder: str, gguf: str, dtype: torch.dtype, device: str = "cpu", 
 
 def load_target(name: str | None = None, dtype: str = "auto", device: str = "auto", device_map: str | None = None,
                 load_in_8bit: bool = False, load_in_4bit: bool = False, trust_remote_code: bool = False,
-                attn_implementation: str = "sdpa") -> LoadedTarget:
+                attn_implementation: str = "sdpa", defer_checks: bool = False) -> LoadedTarget:
+    """`defer_checks`: the floatless weights' chunking check (rowgemm.chunked) is left to the
+    caller (`chunk_checks`, before any forward that rebuilds their floats)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     where, gguf = resolve_model(name)
@@ -255,7 +257,7 @@ def load_target(name: str | None = None, dtype: str = "auto", device: str = "aut
         else:
             notes.append(f"--load-in-{cpu_bits}bit on a CPU: this GGUF's weights already run from their own blocks "
                          f"({kept / 1e6:.0f} MB, {', '.join(sorted(block_types(model)))}); nothing left to quantize")
-    dropped = drop_floats(model) if blocks and (cpu_bits or os.environ.get("EAGLE2_BLOCKS", "1") != "keep") else 0
+    dropped = drop_floats(model, checks=not defer_checks) if blocks and (cpu_bits or os.environ.get("EAGLE2_BLOCKS", "1") != "keep") else 0
     return LoadedTarget(model=model, tokenizer=tok, name=name or DEFAULT_MODEL, source=source, block_bytes=blocks,
                         floatless_bytes=dropped, notes=notes)
 
@@ -317,7 +319,7 @@ def _small_lookup(mod, ids: torch.Tensor) -> torch.Tensor:
     return small(torch.arange(len(ids)))
 
 
-def drop_floats(model) -> int:
+def drop_floats(model, checks: bool = True) -> int:
     """A CPU float32 target whose linears (and embedding) have blocks keeps the blocks only: each
     such weight's float32 values go (rowgemm.make_floatless; a GGUF loaded by ggufload.py holds them
     so from the start), its module turning into the Floatless kind that rebuilds the floats for
@@ -327,7 +329,7 @@ def drop_floats(model) -> int:
     weight). An embedding subclass (Gemma 3 scales its rows) becomes itself over
     FloatlessEmbedding, checked against its own output over the same rows first; a weight that a
     module of another kind also holds keeps its floats. Returns the float32 bytes the weights now
-    held as blocks only would take."""
+    held as blocks only would take. `checks` False: the chunking check is left for `chunk_checks`."""
     from . import rowgemm
     from .ggufload import floatless_kind
 
@@ -365,7 +367,7 @@ def drop_floats(model) -> int:
                 with torch.no_grad():
                     rowgemm.make_floatless(w, bw)
         mod.__class__ = kind
-        if kind is rowgemm.FloatlessLinear:
+        if kind is rowgemm.FloatlessLinear and checks:
             rowgemm.chunked(w)  # its check now, while memory is low (rowgemm.chunked)
     for mod, (cls, ids, want) in probes.items():
         with torch.no_grad():
@@ -381,6 +383,17 @@ def drop_floats(model) -> int:
                     p.data = p.data.clone()
         rowgemm.trim_heap()
     return dropped
+
+
+def chunk_checks(model) -> None:
+    """The chunking check of every floatless linear weight (rowgemm.chunked), where loading left it
+    (`load_target(defer_checks=True)`): before a forward that rebuilds their floats, so that the
+    check's own memory is not taken on top of that forward's."""
+    from . import rowgemm
+
+    for mod in model.modules():
+        if isinstance(mod, rowgemm.FloatlessLinear) and rowgemm.floatless(mod.weight):
+            rowgemm.chunked(mod.weight)
 
 
 def packaged_head_path(key: str) -> str | None:

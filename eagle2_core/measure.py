@@ -34,32 +34,55 @@ QUICK_DRAFT_ROWS = (1, 4, 10)
 QUICK_CONTEXT = 4  # the prompt the quick probes verify after: its prefill is the probes' one warm-up
 
 
-def _timed(fns: dict, rounds: int, warm: bool = True) -> dict:
+RECHECK_ROUNDS = 2  # further rounds of quick probes whose single timings contradict each other
+RECHECK_SLACK = 1.25  # how far single timings may stray from the row counts' order before they are rechecked
+
+
+def _timed(fns: dict, rounds: int, warm: bool = True, recheck: bool = False) -> dict:
     """Median ms of each function, timed in interleaved rounds (every function once per round),
     so that a slow stretch of a shared or throttling machine lands on all of them alike rather
     than on whichever size was being timed then. `warm` False: no warm-up call of each (the
-    quick probes, whose caller warmed the path once)."""
+    quick probes, whose caller warmed the path once). `recheck` (the quick probes, keyed by row
+    count): where the timings contradict each other (`implausible`), RECHECK_ROUNDS more rounds
+    and the least of each function's timings."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for fn in fns.values() if warm else ():
         fn()  # warm-up
     times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times[k].append(time.perf_counter() - t0)
-    return {k: 1000 * sorted(t)[len(t) // 2] for k, t in times.items()}
+
+    def timed_rounds(n):
+        for _ in range(n):
+            for k, fn in fns.items():
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                times[k].append(time.perf_counter() - t0)
+
+    timed_rounds(rounds)
+    ms = {k: 1000 * sorted(t)[len(t) // 2] for k, t in times.items()}
+    if recheck and implausible(ms):
+        timed_rounds(RECHECK_ROUNDS)
+        # other work on the machine only adds to a timing: the least is the one it touched least
+        ms = {k: 1000 * min(t) for k, t in times.items()}
+    return ms
+
+
+def implausible(ms: dict) -> bool:
+    """Whether timings keyed by row count contradict each other beyond RECHECK_SLACK: more rows
+    taking less time than fewer, or more than their multiple of it (a forward's cost grows at
+    most in proportion to its rows). A burst of other work during one single timing shows so."""
+    sizes = sorted(k for k in ms if isinstance(k, int))
+    return any(ms[m] > RECHECK_SLACK * ms[n] or ms[n] > RECHECK_SLACK * (n / m) * ms[m] for m, n in zip(sizes, sizes[1:]))
 
 
 @torch.no_grad()
 def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS, reps: int = 5, quick: bool = False) -> CostProfile:
     """Time the target's tree forward (with lm_head over every row) and one draft step.
 
-    `quick`: the few probes a first answer starts from (QUICK_* sizes, one timing each, after a
-    prompt of QUICK_CONTEXT tokens, no stream floor), which the per-cycle budget then refines
-    from the cycles' own timings (budget.BudgetChooser); `eagle2 tune` measures the whole grid."""
+    `quick`: the few probes a first answer starts from (QUICK_* sizes, one timing each, the
+    least of three where they contradict each other, after a prompt of QUICK_CONTEXT tokens, no
+    stream floor), which the per-cycle budget then refines from the cycles' own timings (budget.BudgetChooser); `eagle2 tune` measures the whole grid."""
     run = TargetRunner(model)
     dev = run.device
     # First which kernel each product takes (rowgemm.py): every timing below runs under that plan,
@@ -107,11 +130,11 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
             verify_rows = [n for n in QUICK_VERIFY_ROWS if n in verify_rows] or [1]
             draft_rows = [k for k in QUICK_DRAFT_ROWS if k in draft_rows] or list(draft_rows)[:1]
             reps, stream = 2, None  # the stream floor (tune's figure) reads every weight: not before a first answer
-        verify = _timed({n: verify_fn(n) for n in verify_rows} | ({"floor": stream} if stream else {}), reps, warm=not quick)
+        verify = _timed({n: verify_fn(n) for n in verify_rows} | ({"floor": stream} if stream else {}), reps, warm=not quick, recheck=quick)
         floor_ms = verify.pop("floor", None)
         # lm_head alone, as acceptance applies it (the product plan's kernel)
         hid = torch.randn(max(LM_HEAD_ROWS), text_config(model.config).hidden_size, device=dev, dtype=run.dtype)
-        lm_head = _timed({n: (lambda n=n: run.logits(hid[:n]).argmax(-1)) for n in lm_rows}, reps, warm=not quick)
+        lm_head = _timed({n: (lambda n=n: run.logits(hid[:n]).argmax(-1)) for n in lm_rows}, reps, warm=not quick, recheck=quick)
         # One draft step over k nodes, with the prompt in the head's own cache (none without a head:
         # head-free sources draft on the host, and the chooser learns that time from real cycles).
         if head is None:
@@ -127,7 +150,7 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
                 torch.topk(logp, 4, dim=-1)
             return step
 
-        draft = _timed({k: draft_fn(k) for k in draft_rows}, reps, warm=not quick)
+        draft = _timed({k: draft_fn(k) for k in draft_rows}, reps, warm=not quick, recheck=quick)
     return CostProfile(key=profile_key(model, head), verify_ms=verify, draft_ms=draft, lm_head_ms=lm_head, products=products,
                        stream_floor_ms=floor_ms, weight_bytes=weight_bytes, quick=quick)
 

@@ -17,7 +17,7 @@ from .costs import BATCH_TREES, plan, prior_expected
 from .engine import Engine
 from .events import GenerationSettings
 from .head import DraftHead, HeadSpec
-from .loading import LoadedTarget, LoadError, default_head_for, load_draft_head, load_target
+from .loading import LoadedTarget, LoadError, chunk_checks, default_head_for, load_draft_head, load_target
 from .measure import load_or_measure, load_or_measure_batch
 from .prompts import SplicedIds, encode_chat
 from .quantization import head_blocks
@@ -136,6 +136,7 @@ class Runtime:
     prefix_cache: object = field(default=None, repr=False)
     arithmetic: str = "exact"  # the products' arithmetic (rowgemm.ARITHMETICS): int8 or exact
     layout_due: bool = False  # int8 weights not yet in the kernel's interleaved layout (`settle`)
+    checks_due: bool = False  # the floatless weights' chunking check not yet made (`settle`, `vanilla`)
 
     @classmethod
     def load(cls, model: str | None = None, draft: str | None = None, *, dtype: str = "auto", device: str = "auto",
@@ -148,13 +149,14 @@ class Runtime:
         """`gen` is used as given; without it the settings come from the model's generation_config
         with `gen_overrides` (the user's flags, None = not given) on top (sampling.settings_from_model).
         `defer_layout`: int8 weights stay in the file's layout until `settle` (a chat's first
-        answer comes before the copy of every weight)."""
+        answer comes before the copy of every weight), and the floatless weights' chunking check
+        (loading.chunk_checks) waits for `settle` or the first `vanilla`."""
         try:  # a bad EAGLE2_KERNEL is said before anything loads
             rowgemm.env_forced()
         except ValueError as e:
             raise LoadError(str(e)) from None
         target = load_target(model, dtype=dtype, device=device, device_map=device_map, load_in_8bit=load_in_8bit,
-                             load_in_4bit=load_in_4bit, trust_remote_code=trust_remote_code)
+                             load_in_4bit=load_in_4bit, trust_remote_code=trust_remote_code, defer_checks=defer_layout)
         arith, why = apply_arithmetic(target, exact, interleave=not defer_layout)  # before the cost profile: its key names the arithmetic
         if why:
             target.notes = list(target.notes or []) + [why]
@@ -199,14 +201,21 @@ class Runtime:
             # to nothing and lengthened every start-up.
             gc.freeze()
         return cls(target, head, settings, gen, system_prompt, chat_template, arithmetic=arith, layout_due=arith == "int8" and defer_layout,
+                   checks_due=defer_layout and bool(target.floatless_bytes),
                    draft_name=("none" if head is None and (need_head or tree.get("total_tokens") == 1) else draft or default_head_for(target.name) or ""), costs=costs,
                    compile=backend, graph=graph, auto_tree=auto, constant_tree=constant_tree, notices=notices, sources=sources)
 
     def settle(self) -> None:
-        """What loading left for after a first answer: the int8 kernel's layout (`defer_layout`)."""
+        """What loading left for after a first answer (`defer_layout`): the int8 kernel's layout, the chunking check."""
+        self._checks()
         if self.layout_due:
             self.layout_due = False
             rowgemm.interleave(self.model)
+
+    def _checks(self) -> None:
+        if self.checks_due:
+            self.checks_due = False
+            chunk_checks(self.model)
 
     @property
     def auto_max(self) -> int:
@@ -293,6 +302,7 @@ class Runtime:
         return self.costs
 
     def vanilla(self, compiled: bool = False, **generate_kwargs) -> VanillaDecoder:
+        self._checks()  # before `generate` rebuilds floats: the check's memory not on top of its
         return VanillaDecoder(self.model, self.tokenizer, compiled=compiled, **generate_kwargs)
 
     def batch_decoder(self, n_prompts: int, batch_size: int | None = None, tree_tokens: int | str | None = None,

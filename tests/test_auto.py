@@ -102,13 +102,40 @@ def test_quick_probes_measure_few_sizes_once_and_serve_later_loads(tmp_path, mon
     monkeypatch.setattr(Cycle, "admit", lambda self, row, ids, *a, **k: prompts.append(len(ids)) or real_admit(self, row, ids, *a, **k))
     quick = measure.load_or_measure(model, None, quick=True)
     assert quick.quick and sorted(quick.verify_ms) == list(measure.QUICK_VERIFY_ROWS) and quick.stream_floor_ms is None
-    assert sorted(verifies) == sorted(measure.QUICK_VERIFY_ROWS) and prompts == [measure.QUICK_CONTEXT]  # no warm-up per size
+    # no warm-up per size; one timing each, or 1 + RECHECK_ROUNDS of each where the tiny model's timings contradicted each other
+    rounds = len(verifies) // len(measure.QUICK_VERIFY_ROWS)
+    assert rounds in (1, 1 + measure.RECHECK_ROUNDS) and sorted(verifies) == sorted(measure.QUICK_VERIFY_ROWS * rounds)
+    assert prompts == [measure.QUICK_CONTEXT]
     assert sorted(quick.lm_head_ms) == [n for n in measure.LM_HEAD_ROWS if n in measure.QUICK_VERIFY_ROWS]
     verifies.clear()
     again = measure.load_or_measure(model, None)  # a later load, quick or not, finds it cached
     assert again.quick and again.verify_ms == pytest.approx(quick.verify_ms, abs=1e-3) and not verifies
     full = measure.load_or_measure(model, None, remeasure=True)
     assert not full.quick and len(full.verify_ms) > len(measure.QUICK_VERIFY_ROWS) and full.stream_floor_ms is not None
+
+
+def test_quick_probes_recheck_timings_that_contradict_each_other(monkeypatch):
+    """A quick probe is timed once; where the timings contradict the row counts' order (a burst of
+    other work during one of them), each is timed RECHECK_ROUNDS more times and the least kept."""
+    import eagle2_core.measure as measure
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock["t"])
+    burst = {1: [0.221, 0.040, 0.041], 4: [0.070, 0.069, 0.090], 16: [0.140, 0.150, 0.139]}  # the one-row timing hit first
+
+    def fn(n):
+        def run():
+            clock["t"] += burst[n].pop(0)
+        return run
+
+    got = measure._timed({n: fn(n) for n in (1, 4, 16)}, 1, warm=False, recheck=True)
+    assert got == pytest.approx({1: 40.0, 4: 69.0, 16: 139.0}) and all(not v for v in burst.values())
+    steady = {1: [0.040], 4: [0.070], 16: [0.140]}  # consistent timings: once each, as before
+    burst.update(steady)
+    assert measure._timed({n: fn(n) for n in (1, 4, 16)}, 1, warm=False, recheck=True) == pytest.approx({1: 40.0, 4: 70.0, 16: 140.0})
+    assert measure.implausible({1: 40.0, 4: 30.0}) and measure.implausible({1: 10.0, 4: 60.0}) and not measure.implausible({1: 40.0, 4: 44.0, 16: 140.0})
+    burst.update({1: [0.221], 4: [0.070]})  # without `recheck` (the full grid's median of rounds): once each
+    assert measure._timed({1: fn(1), 4: fn(4)}, 1, warm=False) == pytest.approx({1: 221.0, 4: 70.0})
 
 
 def test_cli_tune_and_compare_against_auto(tmp_path, monkeypatch, tiny_model_dir, tiny_head_dir):

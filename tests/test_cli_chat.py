@@ -201,3 +201,39 @@ def test_chat_seeded_answer_is_generates_at_any_batch_size(tmp_path, tiny_model_
         assert r.exit_code == 0, r.output + r.stderr
         answers[seed] = r.stdout.strip()
     assert text.strip() and answers["7"] == text.strip() and answers["8"] != answers["7"]
+
+
+def test_a_finished_chat_process_skips_the_interpreters_teardown_only(tmp_path, tiny_model_dir, tiny_head_dir):
+    """`python -m eagle2_cli chat` that finished its turns ends without the interpreter's
+    teardown (eagle2_cli.main.run): its answer, panel and /save file are whole, exit handlers
+    ran, the exit code is 0, and a module-level object is not finalized; another command, or a
+    chat that fails, exits as Python does (the object finalized: the check can fail)."""
+    import os
+    import subprocess
+    import sys
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('[exit handler ran]', file=sys.stderr, flush=True))\n"
+        "class _Marker:\n"
+        "    def __del__(self):\n"
+        "        print('[interpreter teardown]', file=sys.stderr, flush=True)\n"
+        "marker = _Marker()\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), root])}
+    save = tmp_path / "conv.json"
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "eagle2_cli", *args], capture_output=True, text=True, env=env, timeout=300)
+
+    r = run("chat", "--no-baseline", "--prompt", "Hello", "--prompt", f"/save {save}", *model_args(tiny_model_dir, tiny_head_dir))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() and "tau" in r.stderr and f"saved {save}" in r.stderr
+    assert json.loads(save.read_text())["messages"][0]["content"] == "Hello"
+    assert "[exit handler ran]" in r.stderr and "[interpreter teardown]" not in r.stderr
+    bad = run("chat", "--model", str(tmp_path / "missing"), "--prompt", "Hi")
+    assert bad.returncode != 0 and "[exit handler ran]" in bad.stderr and "[interpreter teardown]" in bad.stderr
+    other = run("--version")
+    assert other.returncode == 0 and "[interpreter teardown]" in other.stderr

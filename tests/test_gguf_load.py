@@ -275,6 +275,33 @@ def test_the_metadata_is_read_once_then_from_the_cache(tiny_ggufs, tmp_path, mon
     assert third.model.config.to_dict() == first.model.config.to_dict() and not blocker.read_text()
 
 
+@needs_native
+def test_a_chats_load_leaves_the_chunking_check_for_settle_or_vanilla(tiny_ggufs, tmp_path, monkeypatch):
+    """Runtime.load(defer_layout=True) (chat's first answer) makes no chunking check of the
+    floatless weights (rowgemm.chunked); `vanilla` or `settle` makes it once, before a forward
+    that rebuilds their floats; any other load makes it while loading (the check can fail)."""
+    from eagle2_core import rowgemm
+    from eagle2_core.runtime import Runtime
+
+    monkeypatch.setenv("EAGLE2_CACHE", str(tmp_path / "cache"))
+    checked = []
+    real = rowgemm.chunked
+    monkeypatch.setattr(rowgemm, "chunked", lambda w: checked.append(tuple(w.shape)) or real(w))
+    eager = Runtime.load(tiny_ggufs[0], need_head=False, dtype="float32", device="cpu")
+    assert checked and not eager.checks_due
+    n_weights = len(checked)
+    checked.clear()
+    rt = Runtime.load(tiny_ggufs[0], need_head=False, dtype="float32", device="cpu", defer_layout=True)
+    assert rt.target.floatless_bytes and rt.checks_due and checked == []
+    rt.vanilla()
+    assert len(checked) == n_weights and not rt.checks_due
+    rt.settle()
+    assert len(checked) == n_weights  # once
+    again = Runtime.load(tiny_ggufs[0], need_head=False, dtype="float32", device="cpu", defer_layout=True)
+    again.settle()
+    assert len(checked) == 2 * n_weights and not again.checks_due
+
+
 @pytest.mark.parametrize("cut", ["magic", "header", "tensor"])
 def test_a_broken_tiny_gguf_is_one_line(cut, tiny_ggufs, tmp_path, monkeypatch):
     from eagle2_core.loading import LoadError, load_target
