@@ -325,10 +325,9 @@ class Policy:
         expected tokens so far) cannot make any larger size pay, since scores only descend."""
         v = self.costs.verify(self.batch)[: self.n_max]
         d = self.costs.overhead(self.batch, arm) + steps * self.costs.step(self.batch)
-        k = np.arange(1, v.size + 1, dtype=np.float64)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            per = (v[None, :] - v[:, None]) / ((v[:, None] + d) * (k[None, :] - k[:, None]))
-        per = np.where(k[None, :] > k[:, None], per, np.inf)
+        k = np.arange(v.size)
+        per = np.divide(v[None, :] - v[:, None], (v[:, None] + d) * (k[None, :] - k[:, None]), out=np.full((v.size, v.size), np.inf),
+                        where=k[None, :] > k[:, None])
         return [0.0] + per.min(1).tolist()[:-1] + [0.0]
 
     # -- evidence ------------------------------------------------------------------------------

@@ -109,7 +109,8 @@ class Verifier:
         pos = torch.tensor([[min(ln + d, top) for d in dr] for ln, dr in zip(lens, dep)])
         hidden, feats = run.body_forward(tokens, pos, mask, c, self.seen, self.layers)
         logits = run.logits(hidden.reshape(b * n, -1))
-        flat = (self.sources.argmax_noted(tokens, logits, st.active[:, None].expand(b, n).reshape(-1)).tolist() if self.noting
+        keep = None if all(active) else st.active[:, None].expand(b, n).reshape(-1)  # the rows the recycling table learns from
+        flat = (self.sources.argmax_noted(tokens, logits, keep).tolist() if self.noting
                 else logits.numpy().argmax(-1).tolist())  # numpy's argmax: its first maximal index, as torch's, in one thread
         paths, values, news, seq, roots, n_new = [], [], [], [], st.root.tolist(), st.n_new.tolist()
         for j in range(b):
