@@ -212,7 +212,7 @@ def test_captured_cycle_is_identical_and_compiles_once_per_shape(tiny_lm, fitted
     assert drafts and all(drafts)  # the one-token prompt's first draft included
     ptrs = [layer.keys.data_ptr() for layer in engines[1].cycle.rows.cache.layers]
     cycle3 = engines[3].cycle
-    assert cycle3.batch < 3  # compacted at the end of the queue
+    assert cycle3.rows.batch < 3  # compacted at the end of the queue
     with torch._dynamo.config.patch(error_on_recompile=True):
         for b in (3, 1):
             assert decode_all(b), b
