@@ -78,7 +78,7 @@ def main() -> None:
                 if rep:
                     times[way].append(dt * 1e3)
                 else:
-                    cells[way] = cycle.cache.take(0, len(ids))
+                    cells[way] = cycle.rows.cache.take(0, len(ids))
     leanbody.LeanBody._native = real_native
     ref = cells["native/all"]
     same = {w: all(torch.equal(a, b) for kv, rv in zip(cells[w], ref) for a, b in zip(kv, rv)) for w in ways}

@@ -49,24 +49,12 @@ def _compile(fn, backend: str):
     return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
 
 
-def _on(part: str, name: str, doc: str = ""):
-    """An attribute of one of the cycle's parts, read and written through the cycle."""
-    return property(lambda self: getattr(getattr(self, part), name), lambda self, v: setattr(getattr(self, part), name, v), doc=doc)
-
-
 # -- the cycle -----------------------------------------------------------------------------------
 
 class Cycle:
     """B rows decoding together, composed of its parts: the rows and their caches (rows.py), the
     head drafter (drafter.py), the merger of sources into one tree (merge.py), the verifier
     (verifier.py) and live mode's policy (policy.py). `head` None (or a one-node tree) is plain decoding."""
-
-    state, cache, hcache, slots, host_len, batch, capacity, free, busy = (
-        _on("rows", n) for n in ("state", "cache", "hcache", "slots", "host_len", "batch", "capacity", "free", "busy"))
-    ensure_capacity, fit, compact, widen, span, _capacity = (
-        _on("rows", n) for n in ("ensure_capacity", "fit", "compact", "widen", "span", "_capacity"))
-    one_product, seen = _on("verifier", "one_product"), _on("verifier", "seen")
-    paused, absorb = _on("drafter", "paused", "The pairs a paused head owes (None: not paused)."), _on("drafter", "absorb")
 
     def __init__(self, run: TargetRunner, head, tree: TreeSettings, batch: int, capacity: int, *, fixed: bool = False,
                  backend: str | None = None, sources: DraftSources | None = None):
@@ -94,6 +82,8 @@ class Cycle:
         self.verifier = Verifier(run, self.rows, self.sources, self.width)
         self.layers = self.verifier.layers = head.feature_layers if spec else None
         self.speculative = spec
+        # live mode on a CPU verifies with its small steps on the host (`Verifier.verify_live`); windowed masks keep the tensor path
+        self.host_verify = not fixed and run.device.type == "cpu" and run.window is None and not run.hybrid
         self._policy = None       # live mode's policy.Policy (set by the engine); None: every cycle drafts its whole tree
         self.record_confidence = False
         self.counter = None       # opcount.OpCounter while counting
@@ -101,6 +91,7 @@ class Cycle:
         # what was verified): charged to the next cycle, so every arm's cost is its whole cost
         self.tail_s = 0.0
         self.last: dict = {}
+        self._root_alone: dict = {}
         self.backend = backend if fixed else None
         self.capture_failure = None
         self._draft, self._verify = self.draft_fn, self.verify_fn
@@ -149,7 +140,7 @@ class Cycle:
     def reset(self) -> None:
         """A new run: every row free, drafting on again (a skipping head kept nothing across runs)."""
         self.rows.reset()
-        self.speculative = self.hcache is not None
+        self.speculative = self.rows.hcache is not None
         if self.drafter is not None:
             self.drafter.reset()
 
@@ -168,10 +159,10 @@ class Cycle:
         assert 0 <= r < n, (r, n)
         # fixed mode reserves what the row can reach (one bucket while it runs, no capture
         # mid-answer); live mode the prompt, and `step` grows the buffers as rows grow
-        self.ensure_capacity(n + (slot.stop.remaining if self.fixed else 0) + 1)
+        self.rows.ensure_capacity(n + (slot.stop.remaining if self.fixed else 0) + 1)
         x = torch.tensor(ids, dtype=torch.long, device=dev)
         pos = torch.arange(n, device=dev)
-        c = self.cache
+        c = self.rows.cache
         if r:
             c.put(b, kept.target, r)
             if self.speculative:
@@ -194,10 +185,10 @@ class Cycle:
 
     def release(self, b: int) -> Slot:
         slot = self.rows.release(b)
-        if self.drafter is not None and self.batch == 1:  # a skipping head's pairs end with their sequence
+        if self.drafter is not None and self.rows.batch == 1:  # a skipping head's pairs end with their sequence
             self.drafter.paused = None
         if self.sources is not None:
-            self.sources.forget(self.slots)
+            self.sources.forget(self.rows.slots)
         return slot
 
     # -- the parts' captured functions: plain methods, so that each capture is of the cycle's own -
@@ -245,17 +236,17 @@ class Cycle:
             self.verifier.noting = False
             return Plan("plain"), None
         if self.sources is not None and self.sources.head_free:
-            free = self.merger.grow_rows(None, self.state.root, "free", 0, self.n_max)
+            free = self.merger.grow_rows(None, self.rows.state.root, "free", 0, self.n_max)
         if policy is None:
             arm = "head" if self.speculative else "free" if free is not None else "plain"
             return Plan(arm, max((len(t.tokens) for t in free if t is not None), default=1) if free is not None else 1), free
-        policy.batch = self.batch
+        policy.batch = self.rows.batch
         return policy.plan(None if free is None else self.merger.tree_probs(free), can_skip_head=self.speculative), free
 
     def _propose(self, plan: Plan, free):
         """This cycle's trees by the plan's arm: the head's (its pause ended), the head-free
         sources' alone, or the root alone. Returns (tokens, parents, depth, ancestors, scores)."""
-        b, dev, st = self.batch, self.run.device, self.state
+        b, dev, st = self.rows.batch, self.run.device, self.rows.state
         if plan.arm == "head" and self.speculative:
             self.drafter.unpause()
             tokens, parents, depth, anc, scores, st.head_len = self._call(
@@ -268,29 +259,35 @@ class Cycle:
             return self.merger.padded(free, plan.free_n, st.root)
         if free is not None:  # a plain cycle still learns what the head-free trees would have given
             self.sources.last = free
-        parents = torch.full((b, 1), -1, dtype=torch.long, device=dev)
-        depth = torch.zeros(b, 1, dtype=torch.long, device=dev)
-        return st.root[:, None], parents, depth, torch.ones(b, 1, 1, dtype=torch.bool, device=dev), None
+        if b not in self._root_alone:  # the root alone: the same parents, depth and ancestry every plain cycle
+            self._root_alone[b] = (torch.full((b, 1), -1, dtype=torch.long, device=dev), torch.zeros(b, 1, dtype=torch.long, device=dev),
+                                   torch.ones(b, 1, 1, dtype=torch.bool, device=dev))
+        return (st.root[:, None],) + self._root_alone[b] + (None,)
 
     def _verify_commit(self, tokens, parents, depth, anc, scores):
-        """Verify every row's tree and commit: captured when no row needs host-side steps. Returns
-        the accepted paths and the read-back values; the rows' state is the next cycle's."""
-        st, n = self.state, tokens.shape[1]
-        state = (st.seq_len, st.root, st.n_new, st.new_features, st.active)
+        """Verify every row's tree and commit: on the host in live mode on a CPU, captured in fixed
+        mode, when no row needs host-side steps. Returns the accepted paths and the read-back
+        values; the rows' state is the next cycle's."""
+        st, n, verifier = self.rows.state, tokens.shape[1], self.verifier
+        state, values = (st.seq_len, st.root, st.n_new, st.new_features, st.active), None
         # a root alone (a plain cycle) is one product whatever the lm_head plan for trees
-        if (self.one_product or (n == 1 and not self.backend)) and not any(s is not None and s.host_side for s in self.slots):
-            path, *new = self._call("verify", self._verify, tokens, parents, depth, anc, *state)
+        if (verifier.one_product or (n == 1 and not self.backend)) and not any(s is not None and s.host_side for s in self.rows.slots):
+            if self.host_verify:
+                path, values = self._call("verify", verifier.verify_live, tokens, parents, depth, anc)
+            else:
+                path, *new = self._call("verify", self._verify, tokens, parents, depth, anc, *state)
         else:
             def host():
-                p, acc, bon, feats = self.verifier.verify_host(tokens, parents, depth, anc, scores)
-                return (p,) + self.verifier.commit_fn(tokens, depth, p, acc, bon, feats, *state)
+                p, acc, bon, feats = verifier.verify_host(tokens, parents, depth, anc, scores)
+                return (p,) + verifier.commit_fn(tokens, depth, p, acc, bon, feats, *state)
             path, *new = self._call("verify", host)
-        if self.backend == "cuda-graphs":  # a replay's outputs are overwritten by the next replay
-            path, new = path.clone(), [t.clone() if t is not None else None for t in new]
-        st.seq_len, st.root, st.n_new, st.new_tokens, st.new_features, readout = new
-        values = self.read_back(readout)
+        if values is None:
+            if self.backend == "cuda-graphs":  # a replay's outputs are overwritten by the next replay
+                path, new = path.clone(), [t.clone() if t is not None else None for t in new]
+            st.seq_len, st.root, st.n_new, st.new_tokens, st.new_features, readout = new
+            values = self.read_back(readout)
         if self.drafter is not None:
-            self.drafter.verified(max(v[0] for v, s in zip(values, self.slots) if s is not None))
+            self.drafter.verified(max(v[0] for v, s in zip(values, self.rows.slots) if s is not None))
         return path, values
 
     @torch.no_grad()
@@ -299,7 +296,7 @@ class Cycle:
         row, (row, tokens it produced, draft tokens accepted), before stop handling."""
         t0 = time.perf_counter()
         if not self.fixed:  # room for the longest row and its tree (doubling, `ensure_capacity`)
-            self.ensure_capacity(max(self.host_len) + 1)
+            self.rows.ensure_capacity(max(self.rows.host_len) + 1)
         if self.sources is not None:
             self.sources.last = []
         plan, free = self._plan()
@@ -309,13 +306,13 @@ class Cycle:
         t2 = time.perf_counter()
         n = tokens.shape[1]
         tail, self.tail_s = self.tail_s, 0.0
-        self.last = {"tree": n, "arm": plan.arm, "draft_s": t1 - t0 + tail, "verify_s": t2 - t1, "busy": self.busy, "batch": self.batch}
+        self.last = {"tree": n, "arm": plan.arm, "draft_s": t1 - t0 + tail, "verify_s": t2 - t1, "busy": self.rows.busy, "batch": self.rows.batch}
         out = []
-        for i, s in enumerate(self.slots):
+        for i, s in enumerate(self.rows.slots):
             if s is None:
                 continue
             a, deepest = values[i][0], values[i][1]
-            self.host_len[i] += a + 1
+            self.rows.host_len[i] += a + 1
             s.summary.record_cycle(a, n, deepest, t1 - t0, t2 - t1)
             out.append((i, values[i][2 : 3 + a], a))
         self._learn(plan, free, values, n, t1 - t0 + tail, t2 - t1)
@@ -328,11 +325,11 @@ class Cycle:
         """What the cycle teaches: every grown node whose fate the emitted tokens decide (the
         acceptance estimate), its costs, and in the head's cycles what the alternative would have
         made (the tokens the target emitted decide every head-free node: sources.tokens_taken)."""
-        busy = [i for i, s in enumerate(self.slots) if s is not None]
+        busy = [i for i, s in enumerate(self.rows.slots) if s is not None]
         emitted = [values[i][2 : 3 + values[i][0]] for i in busy]
         nodes = []
         if self.sources is not None and self.sources.last:
-            nodes = self.sources.observe(busy, [self.slots[i].summary for i in busy], n, emitted)
+            nodes = self.sources.observe(busy, [self.rows.slots[i].summary for i in busy], n, emitted)
         if self.policy is None:
             return
         made = sum(len(e) for e in emitted)
@@ -345,11 +342,11 @@ class Cycle:
         size on the same rows (measure.measure_batch_costs). A plain cycle leaves one-token rows
         of pending pairs; they are put back, so the next size drafts at a decoding run's shapes.
         Returns its times (`last`)."""
-        self.n_max, self.speculative = n, n > 1 and self.hcache is not None
+        self.n_max, self.speculative = n, n > 1 and self.rows.hcache is not None
         if self.drafter is not None:
             self.drafter.n_max = n
-        pending = self.state.new_tokens
+        pending = self.rows.state.new_tokens
         self.step()
         if n == 1:
-            self.state.new_tokens = pending
+            self.rows.state.new_tokens = pending
         return self.last

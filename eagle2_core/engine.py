@@ -157,13 +157,13 @@ class Engine:
         if c is None:
             c = self.cycle = Cycle(self.runner, self.head, self.tree, rows, capacity, fixed=self.graph, backend=self.compile,
                                    sources=self.sources)
-        elif c.batch < rows:
-            c.widen(rows)  # the same cycle, so its captured functions serve this run too
+        elif c.rows.batch < rows:
+            c.rows.widen(rows)  # the same cycle, so its captured functions serve this run too
         c.reset()
-        c.fit()  # a run that ended early (an error, Ctrl-C) may have left long rows' buffers
-        c.ensure_capacity(capacity)
+        c.rows.fit()  # a run that ended early (an error, Ctrl-C) may have left long rows' buffers
+        c.rows.ensure_capacity(capacity)
         c.policy = self.policy
-        c.one_product, c.record_confidence, c.counter = self.one_product, self.record_confidence, self.counter
+        c.verifier.one_product, c.record_confidence, c.counter = self.one_product, self.record_confidence, self.counter
         return c
 
     def _run(self, queue, poll=None) -> Iterator[tuple[object, object, list[int] | None]]:
@@ -188,7 +188,7 @@ class Engine:
         chunked: dict[int, list] = {}
 
         def keep(b: int) -> None:
-            s = cycle.slots[b]
+            s = cycle.rows.slots[b]
             if self.prefix is not None and id(s) in keeps:
                 keeps.discard(id(s))
                 self.prefix.add(cycle.kept_row(b, s.prompt + s.tokens))
@@ -196,7 +196,7 @@ class Engine:
         def finish(b: int):
             keep(b)
             s = cycle.release(b)
-            cycle.fit()  # the longest sequence may have left: the cells it held go with it
+            cycle.rows.fit()  # the longest sequence may have left: the cells it held go with it
             s.summary.finish(s.stop, time.perf_counter() - s.started)
             return s.key, s.summary, s.tokens
 
@@ -207,12 +207,12 @@ class Engine:
                         cancel = set(poll(queue))
                         if cancel:
                             yield from self._cancel(cycle, queue, cancel, finish)
-                    if not (queue or cycle.busy):
+                    if not (queue or cycle.rows.busy):
                         break
-                    if queue and not cycle.free and cycle.batch < self.batch:
+                    if queue and not cycle.rows.free and cycle.rows.batch < self.batch:
                         self._widen(cycle, len(queue))  # requests joined a run whose idle rows were dropped (a server's)
                     deferred = []  # long prompts with a chunk prefilled this round: the rest after the next cycle
-                    for b in cycle.free:
+                    for b in cycle.rows.free:
                         if not queue:
                             break
                         req = queue.popleft()
@@ -230,7 +230,7 @@ class Engine:
                         kept, reuse = self._reusable(cycle, req.ids, store, record=part is None)
                         if part is None:
                             part = [0.0, reuse, t0, 0]
-                        if self.prefill_chunk and cycle.busy and len(req.ids) - reuse > self.prefill_chunk:
+                        if self.prefill_chunk and cycle.rows.busy and len(req.ids) - reuse > self.prefill_chunk:
                             # A long prompt beside decoding rows: one chunk now, kept as a sequence of
                             # its own, and the rest after the next cycle, so the other rows' streams
                             # stall for a chunk's prefill at a time, not the whole prompt's.
@@ -258,9 +258,9 @@ class Engine:
                         if stop.done:
                             yield finish(b)
                     queue.extendleft(reversed(deferred))
-                    if not cycle.busy:
+                    if not cycle.rows.busy:
                         continue
-                    if not queue and cycle.batch > 1 and cycle.busy <= cycle.batch // 2:
+                    if not queue and cycle.rows.batch > 1 and cycle.rows.busy <= cycle.rows.batch // 2:
                         self._compact(cycle)
                     rows = cycle.step()
                     self.stats["cycles"] += 1
@@ -269,7 +269,7 @@ class Engine:
                     self.stats["tree_sizes"][n] = self.stats["tree_sizes"].get(n, 0) + 1
                     self.stats["arms"][arm] = self.stats["arms"].get(arm, 0) + 1
                     for b, toks, accepted in rows:
-                        s = cycle.slots[b]
+                        s = cycle.rows.slots[b]
                         emitted = s.stop.push(toks)
                         s.tokens.extend(emitted)
                         yield s.key, StepEvent(emitted, accepted=accepted, tree_size=n, draft_s=cycle.last["draft_s"],
@@ -279,7 +279,7 @@ class Engine:
             except GeneratorExit:
                 # closed between events (a chat's Ctrl-C): every row is consistent here, so the
                 # requests that asked to be kept keep what they emitted, with its cache
-                for b, s in enumerate(cycle.slots):
+                for b, s in enumerate(cycle.rows.slots):
                     if s is not None:
                         keep(b)
                 raise
@@ -314,7 +314,7 @@ class Engine:
             queue.remove(req)
             summary = Summary(prompt_tokens=len(req.ids), finish_reason="cancelled")
             yield req.key, summary, []
-        for b, s in enumerate(cycle.slots):
+        for b, s in enumerate(cycle.rows.slots):
             if s is not None and s.key in keys:
                 s.stop.reason = "cancelled"
                 yield finish(b)
@@ -323,18 +323,18 @@ class Engine:
         """Rows for `waiting` new requests mid-run, up to the engine's batch: `_compact` dropped
         idle rows, or the run started with fewer requests. Only the rows they use: every row is a
         row of every product and of every K/V buffer."""
-        cycle.widen(max(cycle.batch, self._rows_for(cycle.busy + waiting)))
+        cycle.rows.widen(max(cycle.rows.batch, self._rows_for(cycle.rows.busy + waiting)))
 
     def _compact(self, cycle: Cycle) -> None:
         """Drop idle rows once no prompt waits for them: every row costs a row of every product.
         Fixed mode keeps a power-of-two batch (one capture per batch bucket)."""
-        keep = [i for i, s in enumerate(cycle.slots) if s is not None]
+        keep = [i for i, s in enumerate(cycle.rows.slots) if s is not None]
         if cycle.fixed:
             size = bucket(len(keep), least=1)
-            if size >= cycle.batch:
+            if size >= cycle.rows.batch:
                 return
-            keep += [i for i, s in enumerate(cycle.slots) if s is None][: size - len(keep)]
-        cycle.compact(sorted(keep))
+            keep += [i for i, s in enumerate(cycle.rows.slots) if s is None][: size - len(keep)]
+        cycle.rows.compact(sorted(keep))
 
     @torch.no_grad()
     def run(self, queue, on_done) -> None:

@@ -83,7 +83,7 @@ class KVCache(Cache):
                     torch._dynamo.mark_static_address(layer.keys)
                     torch._dynamo.mark_static_address(layer.values)
 
-    def commit(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def commit(self, src, dst: torch.Tensor | None = None) -> None:
         """Per row b, move cells src[b] to dst[b] (the accepted path into place; the rest is
         dropped: section 3), all layers. The right side is gathered (copied) first.
 
@@ -92,14 +92,16 @@ class KVCache(Cache):
         tree is in best-first order, so the accepted path is often the tree's first nodes, already
         where it is kept: then nothing moves (the per-layer copies were a visible share of a drafting
         cycle on SmolLM2, docs/benchmarks.md). The path's padding (the root again, past the accepted nodes) need not
-        move either: no cell past the committed length is read before the next forward writes it."""
-        if self.start is not None and src.device.type == "cpu":  # (on a GPU the list would be a second sync)
-            s = src[0].tolist()
+        move either: no cell past the committed length is read before the next forward writes it.
+        With `start` set, `src` may be the one row's cells as a list (a host-side verify's; no `dst`)."""
+        if self.start is not None and (isinstance(src, list) or src.device.type == "cpu"):  # (on a GPU the list would be a second sync)
+            s = src if isinstance(src, list) else src[0].tolist()
             move = [i for i in range(1, len(s)) if s[i] != s[0] and s[i] != self.start + i]
             if not move:
                 return
-            frm = torch.tensor([s[i] for i in move], device=src.device)
-            to = torch.tensor([self.start + i for i in move], device=src.device)
+            dev = src.device if isinstance(src, torch.Tensor) else None
+            frm = torch.tensor([s[i] for i in move], device=dev)
+            to = torch.tensor([self.start + i for i in move], device=dev)
             for layer in self.layers:
                 if layer.is_initialized:
                     for buf in (layer.keys, layer.values):

@@ -115,7 +115,7 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
             depth, anc = batch_trees(torch.arange(-1, n - 1, device=dev)[None], n - 1)  # a chain: the mask shape does not change the cost
 
             def one():
-                cyc.verifier.tree_argmax(ctx[None, :n], depth, anc, cyc.state.seq_len)  # rewrites the same cells each time
+                cyc.verifier.tree_argmax(ctx[None, :n], depth, anc, cyc.rows.state.seq_len)  # rewrites the same cells each time
             return one
 
         # The stream floor in the same interleaved rounds as the verifies: on a VM whose speed
@@ -146,7 +146,7 @@ def measure_profile(model, head, verify_rows=VERIFY_ROWS, draft_rows=DRAFT_ROWS,
             visible = torch.eye(k, dtype=torch.bool, device=dev)[None]
 
             def step():
-                _, logp = cyc.drafter.head_step(ctx[None, :k], front[:, :k], cyc.state.head_len, 0, visible, cyc.span(k))
+                _, logp = cyc.drafter.head_step(ctx[None, :k], front[:, :k], cyc.rows.state.head_len, 0, visible, cyc.rows.span(k))
                 torch.topk(logp, 4, dim=-1)
             return step
 

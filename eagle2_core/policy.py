@@ -327,10 +327,9 @@ class Policy:
         expected tokens so far) cannot make any larger size pay, since scores only descend."""
         v = self.costs.verify(self.batch)[: self.n_max]
         d = self.costs.overhead(self.batch, arm) + steps * self.costs.step(self.batch)
-        k = np.arange(1, v.size + 1, dtype=np.float64)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            per = (v[None, :] - v[:, None]) / ((v[:, None] + d) * (k[None, :] - k[:, None]))
-        per = np.where(k[None, :] > k[:, None], per, np.inf)
+        k = np.arange(v.size)
+        per = np.divide(v[None, :] - v[:, None], (v[:, None] + d) * (k[None, :] - k[:, None]), out=np.full((v.size, v.size), np.inf),
+                        where=k[None, :] > k[:, None])
         return [0.0] + per.min(1).tolist()[:-1] + [0.0]
 
     # -- evidence ------------------------------------------------------------------------------
@@ -344,11 +343,12 @@ class Policy:
     def learn(self, o: Outcome) -> None:
         # both sides at the cost curve's figures (refined by this cycle's timing just below): the
         # alternative's cycle never ran, and one cycle's timing is noisier than the curve
-        head_ms = self.costs.cycle(self.batch, "head", o.n, o.plan.steps)
+        head = o.plan.arm == "head" and self.has_head
+        head_ms = self.costs.cycle(self.batch, "head", o.n, o.plan.steps) if head else 0.0
         self.costs.learn(self.batch, o.plan.arm, o.n, o.plan.steps, o.draft_ms, o.verify_ms)
         self.acceptance.add_all(o.nodes)
         self.record *= 1.0 - 1.0 / FADE
-        if o.plan.arm == "head" and self.has_head:
+        if head:
             self.record *= 1.0 - 1.0 / WINDOW
             gain = o.tokens / head_ms - o.alt_tokens / o.plan.alt[2]
             self.record[o.plan.bin] += (1, gain, gain * gain, 1.0 / o.plan.alt[2])

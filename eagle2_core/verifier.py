@@ -89,6 +89,60 @@ class Verifier:
         path, accepted, bonus = accept_greedy_batch(tokens, parents, depth, anc, argmax, self.width)
         return (path,) + self.commit_fn(tokens, depth, path, accepted, bonus, feats, seq_len, root, n_new, new_features, active)
 
+    def verify_live(self, tokens, parents, depth, anc):
+        """`verify_fn` for live mode on a CPU, its small steps in plain Python on the trees' few
+        nodes: the mask, acceptance (`accept_greedy_batch`) and the rows' next state (`commit_fn`),
+        a few calls in all where each tensor op on them is one more call. Returns (path, read-back values)."""
+        rows, st, run = self.rows, self.rows.state, self.run
+        b, n = tokens.shape
+        w = self.width if n > 1 else 1  # a root alone accepts nothing: its next state is one pair wide, as without a draft
+        tok, par, dep, lens, active = tokens.tolist(), parents.tolist(), depth.tolist(), st.seq_len.tolist(), st.active.tolist()
+        view, c, low, top = rows.span(n), rows.cache, torch.finfo(run.dtype).min, run.max_positions - 1
+        mask = torch.zeros(b, 1, n, view, dtype=run.dtype)  # context_and_tree: each row's context, then the nodes `anc` marks
+        tree = torch.zeros(b, n, n, dtype=run.dtype).masked_fill_(~anc, low) if n > 1 else None
+        for j, ln in enumerate(lens):
+            if ln + n < view:
+                mask[j, 0, :, ln + n :] = low
+            if tree is not None:
+                mask[j, 0, :, ln : ln + n] = tree[j]
+        c.cells, c.view, c.start = torch.tensor([[ln + i for i in range(n)] for ln in lens]), view, lens[0] if b == 1 else None
+        pos = torch.tensor([[min(ln + d, top) for d in dr] for ln, dr in zip(lens, dep)])
+        hidden, feats = run.body_forward(tokens, pos, mask, c, self.seen, self.layers)
+        logits = run.logits(hidden.reshape(b * n, -1))
+        keep = None if all(active) else st.active[:, None].expand(b, n).reshape(-1)  # the rows the recycling table learns from
+        flat = (self.sources.argmax_noted(tokens, logits, keep).tolist() if self.noting
+                else logits.numpy().argmax(-1).tolist())  # numpy's argmax: its first maximal index, as torch's, in one thread
+        paths, values, news, seq, roots, n_new = [], [], [], [], st.root.tolist(), st.n_new.tolist()
+        for j in range(b):
+            t, p, d, am = tok[j], par[j], dep[j], flat[j * n : (j + 1) * n]
+            ok, best = [True] * n, 0  # a node survives where it and every ancestor is its parent's argmax
+            for i in range(1, n):
+                ok[i] = ok[p[i]] and t[i] == am[p[i]]
+                if ok[i] and d[i] > d[best]:
+                    best = i
+            path, i = [0] * w, best
+            while i > 0:
+                path[d[i]], i = i, p[i]
+            acc, bonus = d[best], am[best]
+            new = [t[x] for x in path[1:]] + [bonus] if w > 1 else [bonus]
+            new[acc] = bonus
+            paths.append(path)
+            news.append(new)
+            values.append([acc, d[-1]] + new)
+            seq.append(lens[j] + acc + 1 if active[j] else lens[j])
+            if active[j]:  # idle rows keep their state
+                roots[j], n_new[j] = bonus, acc + 1
+        path_t = torch.tensor(paths)
+        if w > 1:
+            if b == 1:
+                c.commit([lens[0] + x for x in paths[0]])
+            else:
+                c.commit(torch.tensor(lens)[:, None] + path_t, torch.tensor(lens)[:, None] + torch.arange(w))
+        if st.new_features is not None and feats is not None:
+            st.new_features = (feats.gather(1, path_t[:, :, None].expand(-1, -1, feats.shape[-1])) if w > 1 else feats[:, :1]).to(st.new_features.dtype)
+        st.seq_len, st.root, st.n_new, st.new_tokens = torch.tensor(seq), torch.tensor(roots), torch.tensor(n_new), torch.tensor(news)
+        return path_t, values
+
     def verify_host(self, tokens, parents, depth, anc, scores):
         """Verification with host-side steps: the target's processors on each node with its own
         history (sampling.TargetProcessors.tree_scores), lossless sampling (the keyed rule), and

@@ -218,7 +218,7 @@ def _prefill(model, ids, cuts=(), batch: int = 1, row: int = 0, kept=None, reuse
             if end < len(ids):
                 kept, start = cyc.kept_row(row, ids[:end]), end
                 cyc.release(row)
-        return got["logits"], cyc.cache.take(row, len(ids))
+        return got["logits"], cyc.rows.cache.take(row, len(ids))
 
 
 def _same_bits(a, b) -> bool:

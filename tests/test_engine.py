@@ -138,7 +138,7 @@ def test_greedy_identity(env, mode, batch, monkeypatch):
     admitted, steps = [], []  # per cycle: (requests admitted so far, busy rows, rows)
     real_admit, real_step = Cycle.admit, Cycle.step
     monkeypatch.setattr(Cycle, "admit", lambda self, *a, **k: admitted.append(1) or real_admit(self, *a, **k))
-    monkeypatch.setattr(Cycle, "step", lambda self: steps.append((len(admitted), self.busy, self.batch)) or real_step(self))
+    monkeypatch.setattr(Cycle, "step", lambda self: steps.append((len(admitted), self.rows.busy, self.rows.batch)) or real_step(self))
     cases = env["cases"]
     assert len(cases) > 2 * batch  # more prompts than rows: rows are refilled mid-run
     engine = make_engine(env["model"], env["head"], mode, batch)
@@ -182,7 +182,7 @@ def test_captured_cycle_is_identical_and_compiles_once_per_shape(tiny_lm, fitted
     chat = [dict(ids=[3], n=6, eos=(), ref=reference(e["model"], [3], 6, ()))] + e["cases"]  # a one-token prompt first
     shapes = set()
     real_step = Cycle.step
-    monkeypatch.setattr(Cycle, "step", lambda self: shapes.add((self.batch, self.capacity)) or real_step(self))
+    monkeypatch.setattr(Cycle, "step", lambda self: shapes.add((self.rows.batch, self.rows.capacity)) or real_step(self))
     drafts = []  # per draft: whether it ran the captured function
     real_call = Cycle._call
 
@@ -210,14 +210,14 @@ def test_captured_cycle_is_identical_and_compiles_once_per_shape(tiny_lm, fitted
     print(f"\n[capture] llama: shapes {sorted(shapes)}, {graphs} graphs")
     assert {(3, 128), (1, 128), (1, 64)} <= shapes and graphs == 2 * len(shapes)  # draft and verify, once per shape
     assert drafts and all(drafts)  # the one-token prompt's first draft included
-    ptrs = [layer.keys.data_ptr() for layer in engines[1].cycle.cache.layers]
+    ptrs = [layer.keys.data_ptr() for layer in engines[1].cycle.rows.cache.layers]
     cycle3 = engines[3].cycle
-    assert cycle3.batch < 3  # compacted at the end of the queue
+    assert cycle3.rows.batch < 3  # compacted at the end of the queue
     with torch._dynamo.config.patch(error_on_recompile=True):
         for b in (3, 1):
             assert decode_all(b), b
     assert counters["stats"]["unique_graphs"] == graphs and engines[3].cycle.backend == engines[1].cycle.backend == "aot_eager"
-    assert [layer.keys.data_ptr() for layer in engines[1].cycle.cache.layers] == ptrs  # B = 1 keeps its cycle: captured inputs never move
+    assert [layer.keys.data_ptr() for layer in engines[1].cycle.rows.cache.layers] == ptrs  # B = 1 keeps its cycle: captured inputs never move
     assert engines[3].cycle is cycle3  # a compacted cycle is widened again for the next run, not rebuilt
 
 
@@ -358,7 +358,7 @@ def batch_cycle_ops(engine: Engine, prompts, gen, cycles: int) -> list[dict]:
 
     def step(self):
         rows = real_step(self)
-        out.append({"accepted": tuple(a for _, _, a in rows), "busy": self.busy, "ops": dict(counter.ops),
+        out.append({"accepted": tuple(a for _, _, a in rows), "busy": self.rows.busy, "ops": dict(counter.ops),
                     "host_reads": {s: list(v) for s, v in counter.host_reads.items()}})
         counter.ops, counter.host_reads = {}, {}
         return rows
@@ -529,13 +529,13 @@ def test_committed_paths_equal_the_sequential_cache(tiny_lm, arch):
             stop = StopChecker(GenerationSettings(max_new_tokens=1), None, set(), 64, p.numel())
             cycle.admit(b, p.tolist(), Slot(key=b, stop=stop), lambda logits: 0)
             if b == 0:
-                first = cycle.capacity
-        assert cycle.capacity > first  # the second prompt grew the cache
+                first = cycle.rows.capacity
+        assert cycle.rows.capacity > first  # the second prompt grew the cache
         n = 12
         parents = torch.tensor([[-1] + [rng.randrange(i) for i in range(1, n)] for _ in range(2)])
         tokens = torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
         depth, anc = batch_trees(parents, n - 1)
-        hidden, _ = cycle.verifier.forward_tree(tokens, depth, anc, cycle.state.seq_len)
+        hidden, _ = cycle.verifier.forward_tree(tokens, depth, anc, cycle.rows.state.seq_len)
         paths = []
         for b in range(2):
             node = max(range(n), key=lambda i: (int(depth[b, i]), rng.random())) if b == 0 else rng.randrange(n)
@@ -544,13 +544,13 @@ def test_committed_paths_equal_the_sequential_cache(tiny_lm, arch):
                 path.append(int(parents[b, path[-1]]))
             paths.append(path[::-1])
         w = max(len(p) for p in paths)
-        src = torch.tensor([p + [0] * (w - len(p)) for p in paths]) + cycle.state.seq_len[:, None]
-        cycle.cache.commit(src, cycle.state.seq_len[:, None] + torch.arange(w))
+        src = torch.tensor([p + [0] * (w - len(p)) for p in paths]) + cycle.rows.state.seq_len[:, None]
+        cycle.rows.cache.commit(src, cycle.rows.state.seq_len[:, None] + torch.arange(w))
         for b, (prefix, path) in enumerate(zip(prefixes, paths)):
             seq = torch.cat([prefix, tokens[b, path]])
             ref, ref_hidden = prefill_reference(run, seq, layers)
             m = seq.numel()
-            for got, want in zip(cycle.cache.layers, ref.layers):
+            for got, want in zip(cycle.rows.cache.layers, ref.layers):
                 torch.testing.assert_close(got.keys[b, :, :m], want.keys[0, :, :m], rtol=1e-4, atol=1e-5)
                 torch.testing.assert_close(got.values[b, :, :m], want.values[0, :, :m], rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(hidden[b, path], ref_hidden[prefix.numel():], rtol=1e-4, atol=1e-5)
@@ -620,8 +620,8 @@ def test_a_run_grows_its_cache_geometrically_and_gives_it_back(tiny_lm, fitted_h
     out = run_all(engine, reqs)
     assert all(len(ids) + len(out[i][0]) == MAXPOS for i, (ids) in enumerate(c["ids"] for c in cases))  # to the context's end
     grew = [(a, b) for a, b in sizes if b > a]
-    assert grew and all(b >= 2 * a or b == engine.cycle._capacity(MAXPOS) for a, b in grew)
-    assert engine.cycle.capacity < grew[-1][1] and engine.cycle.cache.layers[0].keys.shape[2] == engine.cycle.capacity
+    assert grew and all(b >= 2 * a or b == engine.cycle.rows._capacity(MAXPOS) for a, b in grew)
+    assert engine.cycle.rows.capacity < grew[-1][1] and engine.cycle.rows.cache.layers[0].keys.shape[2] == engine.cycle.rows.capacity
 
 
 def test_queued_and_cancelled_requests_hold_no_cache_and_a_joining_request_widens_one_row(tiny_lm, fitted_head, monkeypatch):
@@ -630,7 +630,7 @@ def test_queued_and_cancelled_requests_hold_no_cache_and_a_joining_request_widen
     e = make_env("llama", tiny_lm, fitted_head)
     shapes = []
     real_step = Cycle.step
-    monkeypatch.setattr(Cycle, "step", lambda self: shapes.append((self.batch, self.capacity)) or real_step(self))
+    monkeypatch.setattr(Cycle, "step", lambda self: shapes.append((self.rows.batch, self.rows.capacity)) or real_step(self))
     short = [c for c in e["cases"] if len(c["ids"]) < 8][:2]
     engine = make_engine(e["model"], e["head"], "live", 2)
     gen = GenerationSettings(max_new_tokens=4, eos_token_ids=())
@@ -638,7 +638,7 @@ def test_queued_and_cancelled_requests_hold_no_cache_and_a_joining_request_widen
                                Request(2, short[0]["ids"], GenerationSettings(max_new_tokens=10**9, eos_token_ids=()))])
     ends = {key: ev.finish_reason for key, ev, tokens in engine.serve(queue, lambda q: {2} if shapes else set()) if tokens is not None}
     assert ends == {0: "length", 1: "length", 2: "cancelled"}
-    assert max(cap for _, cap in shapes) < engine.cycle._capacity(MAXPOS)
+    assert max(cap for _, cap in shapes) < engine.cycle.rows._capacity(MAXPOS)
     wide = make_engine(e["model"], e["head"], "live", 4)
     shapes.clear()
     queue = collections.deque([Request(0, short[0]["ids"], GenerationSettings(max_new_tokens=20, eos_token_ids=()))])
@@ -744,10 +744,10 @@ def test_a_skipping_head_catches_up(tiny_lm, fitted_head, monkeypatch, name, bat
     if batch > 1:
         return
     # the next request of a run whose last cycle skipped the head: its prompt is absorbed, it drafts
-    monkeypatch.setattr(Policy, "head_drafts", lambda self, b: engine.cycle.slots[0].key != 1)  # request 1 skips every cycle
+    monkeypatch.setattr(Policy, "head_drafts", lambda self, b: engine.cycle.rows.slots[0].key != 1)  # request 1 skips every cycle
     drafted = collections.Counter()
     c, real = engine.cycle, engine.cycle._draft  # the cycle (and its bound draft) outlive a run
-    monkeypatch.setattr(c, "_draft", lambda *a: drafted.update([c.slots[0].key]) or real(*a))
+    monkeypatch.setattr(c, "_draft", lambda *a: drafted.update([c.rows.slots[0].key]) or real(*a))
     gen = GenerationSettings(max_new_tokens=12, eos_token_ids=())
     out = run_all(engine, [Request(1, [2, 7], gen), Request(2, [5, 1, 6], gen)])
     assert out[1][0] == reference(model, [2, 7], 12, ()) and out[2][0] == reference(model, [5, 1, 6], 12, ())

@@ -61,7 +61,7 @@ def drafts(monkeypatch):
     def draft_fn(self, *args):
         out = real(self, *args)
         tokens, parents, _, _, scores, _ = out
-        for b, s in enumerate(self.slots):
+        for b, s in enumerate(self.rows.slots):
             if s is not None:
                 seen[s.key].append((tokens[b].clone(), parents[b].clone(), None if scores is None else scores[b].clone()))
         return out

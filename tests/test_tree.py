@@ -407,12 +407,12 @@ def test_draft_children_are_head_top_ranks(random_head, shape, fixed, monkeypatc
     # cycle leaves row 1 idle with a stale n_new wider than the absorb.
     plan = [([4, 1], [True, True], w), ([2, 3], [True, True], 3), ([1, 4], [True, False], 1)]
     for cycle_i, (n_new, active, absorb) in enumerate(plan):
-        cycle.absorb = absorb  # (fixed mode always absorbs the full width)
+        cycle.drafter.absorb = absorb  # (fixed mode always absorbs the full width)
         new_t = torch.randint(0, 16, (2, w), generator=g)
         new_f = torch.randn(2, w, hidden, generator=g)
         n_new_t, active_t = torch.tensor(n_new), torch.tensor(active)
         root = new_t[torch.arange(2), n_new_t - 1]
-        cycle.host_len = [int(head_len[r]) + n_new[r] for r in range(2)]  # the target's lengths (the live view)
+        cycle.rows.host_len = [int(head_len[r]) + n_new[r] for r in range(2)]  # the target's lengths (the live view)
         tokens, parents, depth, anc, scores, new_len = cycle.draft_fn(new_t, new_f, head_len.clone(), n_new_t, root, active_t)
         for r in range(2):
             if active[r]:
