@@ -281,12 +281,12 @@ class Policy:
             if r_free > r_plain:
                 alt = ("free", free_n, ms_free, expected)
         if not self.has_head:
-            plan = Plan(alt[0], free_n, alt=alt)
-        else:
-            b = sum(expected >= e for e in EDGES)
-            plan = Plan("head", free_n, b, alt)
-            if can_skip_head and not self.head_drafts(b):
-                plan.arm = alt[0]
+            # a head-free target looks every cycle: its recycling table, most of what it drafts, learns only in cycles that look
+            return Plan(alt[0], free_n, alt=alt)
+        b = sum(expected >= e for e in EDGES)
+        plan = Plan("head", free_n, b, alt)
+        if can_skip_head and not self.head_drafts(b):
+            plan.arm = alt[0]
         self.plain_run = self.plain_run + 1 if plan.arm == "plain" else 0
         return plan
 
