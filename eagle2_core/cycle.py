@@ -271,7 +271,8 @@ class Cycle:
         st, n, verifier = self.rows.state, tokens.shape[1], self.verifier
         state, values = (st.seq_len, st.root, st.n_new, st.new_features, st.active), None
         # a root alone (a plain cycle) is one product whatever the lm_head plan for trees
-        if (verifier.one_product or (n == 1 and not self.backend)) and not any(s is not None and s.host_side for s in self.rows.slots):
+        if (n == 1 and not self.backend or verifier.one_product_for(tokens.numel())) and not any(
+                s is not None and s.host_side for s in self.rows.slots):
             if self.host_verify:
                 path, values = self._call("verify", verifier.verify_live, tokens, parents, depth, anc)
             else:

@@ -112,10 +112,10 @@ class Engine:
         if costs is None and run.device.type == "cpu" and drafts:
             costs = load_or_measure(model, head)  # cached per machine, model, dtype and threads
         self.costs = costs
-        # Greedy acceptance's lm_head plan, from this machine's measured costs: every tree row in
-        # one product where that costs no more than internal rows first (a GPU; cheap rows).
-        rows = self.batch * (self.tree.total_tokens if drafts else 1)
-        self.one_product = self.graph or run.device.type != "cpu" or costs is None or costs.rows_are_cheap(rows)
+        # Greedy acceptance's lm_head plan: every tree row in one product (a GPU, fixed shapes, no
+        # measured costs), or None: per cycle by its tree's rows, one product where this machine's
+        # measured costs say it costs no more than internal rows first (costs.rows_are_cheap)
+        self.one_product = True if self.graph or run.device.type != "cpu" or costs is None else None
         self.policy = None  # the drafting policy, kept across runs: a chat's later turns use what earlier ones learned
         if auto:
             if costs is None:
@@ -164,6 +164,7 @@ class Engine:
         c.rows.ensure_capacity(capacity)
         c.policy = self.policy
         c.verifier.one_product, c.record_confidence, c.counter = self.one_product, self.record_confidence, self.counter
+        c.verifier.cheap = self.costs.rows_are_cheap if self.costs is not None else None
         return c
 
     def _run(self, queue, poll=None) -> Iterator[tuple[object, object, list[int] | None]]:

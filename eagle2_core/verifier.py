@@ -19,7 +19,8 @@ class Verifier:
 
     def __init__(self, run, rows: Rows, sources, width: int):
         self.run, self.rows, self.sources, self.width = run, rows, sources, width
-        self.one_product = True   # lm_head over every tree row at once (else internal rows first)
+        self.one_product = True   # lm_head over every tree row at once (False: internal rows first; None: `cheap` decides per tree)
+        self.cheap = None         # rows -> whether one product over them costs no more than internal rows first
         self.noting = sources is not None
         self.seen: dict = {}      # EAGLE-3's captured layer inputs, while a session runs
         self.layers = None        # the head's feature layers (None: no head drafts)
@@ -82,6 +83,12 @@ class Verifier:
         root = torch.where(active, bonus, root)
         readout = torch.cat([accepted[:, None], depth[:, -1:], new_tokens], 1)  # nodes are in depth order
         return seq_len, root, n_new, new_tokens, new_features, readout
+
+    def one_product_for(self, rows: int) -> bool:
+        """Whether lm_head takes a tree of `rows` rows in one product (else internal rows first)."""
+        if self.one_product is not None:
+            return self.one_product
+        return self.cheap is None or self.cheap(rows)
 
     def verify_fn(self, tokens, parents, depth, anc, seq_len, root, n_new, new_features, active):
         """Greedy verification with no host step: all rows through lm_head, accept, commit. Captured in fixed mode."""
@@ -149,12 +156,12 @@ class Verifier:
         greedy acceptance's two-pass lm_head: children are checked against their parent's argmax,
         so only internal nodes need logits up front, and a leaf only when the path ends there. On a
         small model lm_head is a large share of a verify, and about half a tree's nodes are leaves;
-        where extra rows are nearly free (measured: `one_product`) all rows go in one product."""
+        where extra rows are nearly free (measured, per tree: `one_product_for`) all rows go in one product."""
         slots = self.rows.slots
         hidden, feats = self.forward_tree(tokens, depth, anc, self.rows.state.seq_len)
         b, n = tokens.shape
         dev, w = tokens.device, self.width
-        two_pass = not self.one_product and n > 1
+        two_pass = n > 1 and not self.one_product_for(b * n)
         internal = torch.zeros(b, n, dtype=torch.bool, device=dev)
         if n > 1:
             internal.scatter_(1, parents[:, 1:], True)

@@ -226,3 +226,19 @@ def test_tree_defaults_follow_device_dtype_and_measured_costs():
     assert TreeSettings.for_device("cpu", torch.bfloat16, linear) == TreeSettings()
     assert TreeSettings.for_device("cpu", torch.bfloat16) == TreeSettings()  # nothing measured yet: the small tree
     assert TreeSettings.for_device("cuda:0", torch.bfloat16) == TreeSettings.for_device("cuda", torch.float32) == TreeSettings.gpu()
+
+
+def test_greedy_acceptances_lm_head_plan_follows_each_trees_rows():
+    """Where every lm_head row costs in full, a tree of a few rows still takes one product (two
+    passes would read lm_head twice) and a larger tree its internal rows first; a plan set by
+    hand (a GPU, the tests' two-pass mode) holds for every tree."""
+    from eagle2_core.costs import CostProfile
+    from eagle2_core.verifier import Verifier
+
+    linear = CostProfile(key={}, verify_ms={1: 1.0}, draft_ms={1: 1.0}, lm_head_ms={1: 2.0, 8: 16.0, 16: 32.0, 32: 64.0})
+    v = Verifier.__new__(Verifier)
+    v.one_product, v.cheap = None, linear.rows_are_cheap
+    assert [v.one_product_for(r) for r in (1, 2, 3, 4, 8, 16)] == [True, True, True, False, False, False]
+    for forced in (True, False):
+        v.one_product = forced
+        assert {v.one_product_for(r) for r in (1, 3, 16)} == {forced}
