@@ -36,6 +36,21 @@ def accept_greedy_batch(tokens, parents, depth, anc, argmax, width: int):
     return path[:, :width], depth[rows, best], argmax[rows, best]
 
 
+def accept_greedy_row(tokens: list[int], parents: list[int], depth: list[int], argmax: list[int], width: int):
+    """`accept_greedy_batch` for one row on host lists (a few nodes: a tensor op each would cost
+    more than the loop): (path, width node indices root first, padded with the root; accepted
+    draft tokens; bonus token)."""
+    ok, best = [True] * len(tokens), 0  # a node survives where it and every ancestor is its parent's argmax
+    for i in range(1, len(tokens)):
+        ok[i] = ok[parents[i]] and tokens[i] == argmax[parents[i]]
+        if ok[i] and depth[i] > depth[best]:
+            best = i
+    path, i = [0] * width, best
+    while i > 0:
+        path[depth[i]], i = i, parents[i]
+    return path, depth[best], argmax[best]
+
+
 def children_lists(parents: list[int]) -> list[list[int]]:
     kids: list[list[int]] = [[] for _ in parents]
     for i, p in enumerate(parents[1:], start=1):

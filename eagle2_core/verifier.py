@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .accept import accept_greedy_batch, accept_sampling_keyed, position_uniforms
+from .accept import accept_greedy_batch, accept_greedy_row, accept_sampling_keyed, position_uniforms
 from .logprobs import token_logprobs
 from .rows import Rows, Slot
 from .tree import causal_rows, context_and_tree, row_tree, windowed
@@ -121,16 +121,8 @@ class Verifier:
                 else logits.numpy().argmax(-1).tolist())  # numpy's argmax: its first maximal index, as torch's, in one thread
         paths, values, news, seq, roots, n_new = [], [], [], [], st.root.tolist(), st.n_new.tolist()
         for j in range(b):
-            t, p, d, am = tok[j], par[j], dep[j], flat[j * n : (j + 1) * n]
-            ok, best = [True] * n, 0  # a node survives where it and every ancestor is its parent's argmax
-            for i in range(1, n):
-                ok[i] = ok[p[i]] and t[i] == am[p[i]]
-                if ok[i] and d[i] > d[best]:
-                    best = i
-            path, i = [0] * w, best
-            while i > 0:
-                path[d[i]], i = i, p[i]
-            acc, bonus = d[best], am[best]
+            t, d = tok[j], dep[j]
+            path, acc, bonus = accept_greedy_row(t, par[j], d, flat[j * n : (j + 1) * n], w)
             new = [t[x] for x in path[1:]] + [bonus] if w > 1 else [bonus]
             new[acc] = bonus
             paths.append(path)

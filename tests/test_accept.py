@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy import stats
 
-from eagle2_core.accept import accept_greedy_batch, accept_sampling_keyed, children_lists, generation_seed, inverse_cdf, position_uniforms
+from eagle2_core.accept import accept_greedy_batch, accept_greedy_row, accept_sampling_keyed, children_lists, generation_seed, inverse_cdf, position_uniforms
 from eagle2_core.tree import tree_from_parents
 
 
@@ -95,6 +95,9 @@ def test_greedy_batch_rows_are_independent(seed):
         assert path[r, : a + 1].tolist() == one and a == len(one) - 1
         assert path[r, a + 1 :].tolist() == [0] * (width - a - 1)  # padded with the root
         assert int(bonus[r]) == one_bonus == argmax[r][one[-1]]
+        # the live host path's form of the same rule: the same path, count and bonus
+        row = accept_greedy_row(tree.tokens.tolist(), tree.parents.tolist(), tree.depth.tolist(), argmax[r], width)
+        assert row == (path[r].tolist(), a, int(bonus[r]))
 
 
 # -- sampling -----------------------------------------------------------------------------------
